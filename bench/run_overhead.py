@@ -1,0 +1,309 @@
+"""Measure what `OneDeviceStrategy.run` costs per call over a bare, cached `jax.jit` call.
+
+Two steps are timed, each once through `strategy.run(fn, args=...)` and once through
+`jax.jit(fn)(...)`:
+
+* spec loop (int): the specification's `step_fn(x) = x * 2`, called with a different Python int
+  each time (Python ints trace as weak int32, so a new value does not recompile).
+* sgd step (tree): one SGD step of a small two-layer MLP whose parameters are a dict of four
+  float32 arrays, on a batch already on the device; the new parameters are fed back in, as in a
+  training loop.
+
+Both variants are compiled during a warm-up. Then, for each round, a batch of calls of one variant
+is timed and then a batch of the other, the order alternating between rounds, and each batch ends
+with `jax.block_until_ready` on its last output inside the timed region. The table gives per-call
+medians (p10-p90) and the median of the per-round run/jit ratios: the two batches of a round run
+side by side, so their ratio cancels most of a noisy machine's drift. The ratio of the medians is
+printed as well. Every step function counts its traces, and the script exits non-zero if any was
+traced more than once or if XLA compiled anything after the warm-up.
+
+Run it from the repository root:
+
+    python bench/run_overhead.py            # the full benchmark
+    python bench/run_overhead.py --quick    # a smoke test with a few rounds
+    python bench/run_overhead.py --rounds 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxstrategy
+
+# The ratio the project aims for, in both cases.
+GOAL_RATIO = 1.10
+FULL_ROUNDS = 30
+QUICK_ROUNDS = 5
+# Calls per timed batch: enough that one batch takes a few milliseconds, far above the timer's
+# resolution and the cost of the final block_until_ready.
+SPEC_CALLS = 500
+SGD_CALLS = 200
+WARMUP_CALLS = 50
+
+# Traces per step function, keyed by variant name. Python side effects run only while JAX traces,
+# so each count must stay at 1 for the whole benchmark.
+TRACES: collections.Counter[str] = collections.Counter()
+
+# A timed loop: given a number of calls, make them and return the seconds per call.
+Loop = Callable[[int], float]
+
+
+@dataclasses.dataclass
+class Result:
+    """The per-call seconds of both variants in every round."""
+
+    name: str
+    jit: list[float]
+    run: list[float]
+
+
+def make_spec_step(variant: str) -> Callable[[Any], Any]:
+    """Return the specification's `step_fn`, a fresh function per variant so traces count apart."""
+
+    def step_fn(x):
+        TRACES[variant] += 1
+        return x * 2
+
+    return step_fn
+
+
+def make_sgd_step(variant: str) -> Callable[[dict, dict], tuple[dict, jax.Array]]:
+    """Return one SGD step on an MLP's MSE loss, returning the new parameters and the loss."""
+
+    def loss_fn(params, batch):
+        hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+        prediction = hidden @ params["w2"] + params["b2"]
+        return jnp.mean((prediction - batch["y"]) ** 2)
+
+    def sgd_step(params, batch):
+        TRACES[variant] += 1
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        new_params = jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+        return new_params, loss
+
+    return sgd_step
+
+
+def sgd_inputs(strategy: jaxstrategy.OneDeviceStrategy) -> tuple[dict, dict]:
+    """Return small float32 parameters and a batch, both committed to the strategy's device."""
+    rng = np.random.default_rng(0)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(size=shape).astype(np.float32)
+
+    params = {"w1": normal(8, 16) * 0.3, "b1": np.zeros(16, np.float32), "w2": normal(16, 1) * 0.3}
+    params["b2"] = np.zeros(1, np.float32)
+    x = normal(32, 8)
+    batch = {"x": x, "y": np.sin(x.sum(axis=1, keepdims=True))}
+    # Placed once, before timing: the loop measures dispatch, not host-to-device copies.
+    return strategy.put(params), strategy.put(batch)
+
+
+# The loops below are written out once per variant, rather than sharing a loop over a `call`
+# argument, so each makes its call exactly as a user would: wrapping `strategy.run` in a lambda
+# would charge run alone for an extra Python frame.
+
+
+def spec_jit_loop(jitted: Callable[[int], Any]) -> Loop:
+    """Time `jitted(i)` over different Python ints, as the specification's loop does."""
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for i in range(n):
+            out = jitted(i % 100)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    return loop
+
+
+def spec_run_loop(strategy: jaxstrategy.OneDeviceStrategy, step_fn: Callable[[Any], Any]) -> Loop:
+    """Time `strategy.run(step_fn, args=(i,))` over different Python ints."""
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for i in range(n):
+            out = strategy.run(step_fn, args=(i % 100,))
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    return loop
+
+
+def sgd_jit_loop(jitted: Callable[[dict, dict], Any], params: dict, batch: dict) -> Loop:
+    """Time a training loop of `jitted(params, batch)`, feeding each step's parameters on."""
+    state = {"params": params}  # Carried between batches, as a training loop carries it.
+
+    def loop(n: int) -> float:
+        params = state["params"]
+        start = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = jitted(params, batch)
+            params = out[0]
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        state["params"] = params
+        return elapsed / n
+
+    return loop
+
+
+def sgd_run_loop(
+    strategy: jaxstrategy.OneDeviceStrategy, step_fn: Callable[[dict, dict], Any], params: dict, batch: dict
+) -> Loop:
+    """Time a training loop of `strategy.run(step_fn, args=(params, batch))`."""
+    state = {"params": params}
+
+    def loop(n: int) -> float:
+        params = state["params"]
+        start = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = strategy.run(step_fn, args=(params, batch))
+            params = out[0]
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        state["params"] = params
+        return elapsed / n
+
+    return loop
+
+
+def build_loops(strategy: jaxstrategy.OneDeviceStrategy) -> dict[str, tuple[Loop, Loop, int]]:
+    """Return each case's (bare jit loop, run loop, calls per batch)."""
+    params, batch = sgd_inputs(strategy)
+    return {
+        "spec loop (int)": (
+            spec_jit_loop(jax.jit(make_spec_step("spec/jit"))),
+            spec_run_loop(strategy, make_spec_step("spec/run")),
+            SPEC_CALLS,
+        ),
+        "sgd step (tree)": (
+            sgd_jit_loop(jax.jit(make_sgd_step("sgd/jit")), params, batch),
+            sgd_run_loop(strategy, make_sgd_step("sgd/run"), params, batch),
+            SGD_CALLS,
+        ),
+    }
+
+
+def count_compiles() -> collections.Counter[str]:
+    """Count XLA backend compiles from now on, so a recompile that is not a retrace is caught too."""
+    compiles: collections.Counter[str] = collections.Counter()
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles["backend"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return compiles
+
+
+def measure(name: str, jit_loop: Loop, run_loop: Loop, calls: int, rounds: int) -> Result:
+    """Time both variants side by side for `rounds` rounds, alternating which goes first."""
+    result = Result(name, [], [])
+    for round_index in range(rounds):
+        gc.collect()
+        # A collection inside a timed batch would land on one variant only; timeit does the same.
+        gc.disable()
+        try:
+            if round_index % 2 == 0:
+                result.jit.append(jit_loop(calls))
+                result.run.append(run_loop(calls))
+            else:
+                result.run.append(run_loop(calls))
+                result.jit.append(jit_loop(calls))
+        finally:
+            gc.enable()
+    return result
+
+
+def percentiles_us(seconds: list[float]) -> tuple[float, float, float]:
+    """Return the median, p10 and p90 of per-call seconds, in microseconds."""
+    p10, p50, p90 = np.percentile(np.asarray(seconds) * 1e6, [10, 50, 90])
+    return float(p50), float(p10), float(p90)
+
+
+def print_table(results: list[Result]) -> list[float]:
+    """Print the per-call times and ratios; return each case's median per-round ratio."""
+    print(
+        f"{'case':<17}{'jit us/call':>20}{'run us/call':>20}"
+        f"{'ratio run/jit':>15}{'ratio of medians':>18}{'ratio p10-p90':>15}"
+    )
+    medians = []
+    for result in results:
+        ratios = np.asarray(result.run) / np.asarray(result.jit)
+        ratio, ratio_p10, ratio_p90 = np.median(ratios), *np.percentile(ratios, [10, 90])
+        jit50, jit10, jit90 = percentiles_us(result.jit)
+        run50, run10, run90 = percentiles_us(result.run)
+        jit_cell = f"{jit50:.2f} ({jit10:.1f}-{jit90:.1f})"
+        run_cell = f"{run50:.2f} ({run10:.1f}-{run90:.1f})"
+        print(
+            f"{result.name:<17}{jit_cell:>20}{run_cell:>20}"
+            f"{ratio:>15.3f}{run50 / jit50:>18.3f}{f'{ratio_p10:.2f}-{ratio_p90:.2f}':>15}"
+        )
+        medians.append(float(ratio))
+    print("us/call: median (p10-p90) over rounds; ratio run/jit: median of the per-round ratios.")
+    return medians
+
+
+def check_no_recompiles(compiles: collections.Counter[str]) -> None:
+    """Exit non-zero unless every step was traced exactly once and nothing compiled while timed."""
+    print("traces: " + ", ".join(f"{variant}={count}" for variant, count in sorted(TRACES.items())))
+    bad = {variant: count for variant, count in TRACES.items() if count != 1}
+    if len(TRACES) != 4 or bad or compiles["backend"]:
+        sys.exit(
+            f"FAIL: a step was recompiled (traces other than 1: {bad}; XLA compiles while timed: "
+            f"{compiles['backend']}), so the timings include compilation."
+        )
+    print("OK: each step function was traced exactly once; no XLA compile while timed.")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"a smoke test: {QUICK_ROUNDS} rounds")
+    parser.add_argument("--rounds", type=int, help=f"rounds per case (default {FULL_ROUNDS})")
+    args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    strategy = jaxstrategy.OneDeviceStrategy()
+    loops = build_loops(strategy)
+    # Compile everything first; the listener then catches any compile during timing.
+    for jit_loop, run_loop, _ in loops.values():
+        jit_loop(WARMUP_CALLS)
+        run_loop(WARMUP_CALLS)
+    compiles = count_compiles()
+    print(
+        f"jax {jax.__version__} on {strategy.device}; {args.rounds} rounds of "
+        f"{SPEC_CALLS} (spec) / {SGD_CALLS} (sgd) calls per variant\n"
+    )
+    results = [measure(name, *loop, args.rounds) for name, loop in loops.items()]
+    ratios = print_table(results)
+    print()
+    check_no_recompiles(compiles)
+    met = all(ratio <= GOAL_RATIO for ratio in ratios)
+    print(f"goal ratio <= {GOAL_RATIO:.2f} in both cases: {'met' if met else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""jaxstrategy: TensorFlow's `tf.distribute.Strategy` API, done the JAX way.
+
+A strategy holds devices; `run` compiles a step function once and computes on them; variables
+are pytrees committed to them. Code written against `OneDeviceStrategy` is meant to run unchanged
+when the constructor changes to a strategy over more devices.
+"""
+
+from jaxstrategy._src.contexts import InputContext as InputContext
+from jaxstrategy._src.contexts import ReplicaContext as ReplicaContext
+from jaxstrategy._src.contexts import ValueContext as ValueContext
+from jaxstrategy._src.contexts import get_replica_context as get_replica_context
+from jaxstrategy._src.contexts import get_strategy as get_strategy
+from jaxstrategy._src.contexts import has_strategy as has_strategy
+from jaxstrategy._src.contexts import in_cross_replica_context as in_cross_replica_context
+from jaxstrategy._src.errors import InvalidDeviceError as InvalidDeviceError
+from jaxstrategy._src.errors import JaxStrategyError as JaxStrategyError
+from jaxstrategy._src.errors import StrategyContextError as StrategyContextError
+from jaxstrategy._src.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxstrategy._src.options import InputOptions as InputOptions
+from jaxstrategy._src.options import InputReplicationMode as InputReplicationMode
+from jaxstrategy._src.options import RunOptions as RunOptions
+from jaxstrategy._src.reduce_op import ReduceOp as ReduceOp
+from jaxstrategy._src.strategy import Strategy as Strategy
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "InvalidDeviceError",
+    "JaxStrategyError",
+    "OneDeviceStrategy",
+    "ReduceOp",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyContextError",
+    "ValueContext",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+)

@@ -1,0 +1,1 @@
+"""Private implementation of jaxstrategy. Nothing here is API; import from `jaxstrategy`."""

@@ -1,0 +1,48 @@
+"""The exceptions jaxstrategy raises, and the helpers that format their messages."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+
+class JaxStrategyError(Exception):
+    """Base class of every exception defined by jaxstrategy."""
+
+
+class InvalidDeviceError(JaxStrategyError, ValueError):
+    """A device argument names no device this process has, or cannot be parsed."""
+
+
+class StrategyContextError(JaxStrategyError, RuntimeError):
+    """A call made in the wrong context: another strategy's scope, or inside `run`."""
+
+
+def format_path(prefix: str, path: Sequence[Any]) -> str:
+    """Return a leaf's key path as Python would index it, e.g. `args[0]['w']`."""
+    return prefix + jax.tree_util.keystr(tuple(path))
+
+
+def bullet_list(lines: Sequence[str]) -> str:
+    """Join lines into an indented list, one per line, for multi-problem messages."""
+    return "".join(f"\n  {line}" for line in lines)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for `warnings.warn` that points at the first frame outside jaxstrategy.
+
+    Counting frames by hand breaks whenever a call path gains a layer; this does not.
+    """
+    frame = sys._getframe(1)  # The function about to call warnings.warn.
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level

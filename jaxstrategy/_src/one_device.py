@@ -1,0 +1,220 @@
+"""`OneDeviceStrategy`: the whole `tf.distribute.Strategy` API on one `jax.Device`."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstrategy._src import contexts
+from jaxstrategy._src.contexts import ReplicaContext, ValueContext
+from jaxstrategy._src.device_spec import resolve_device
+from jaxstrategy._src.errors import format_path
+from jaxstrategy._src.reduce_op import ReduceOp, normalize_axis, reduce_tree
+from jaxstrategy._src.strategy import Strategy
+from jaxstrategy._src.tree_checks import require_array_leaves
+from jaxstrategy._src.types import DeviceLike, PyTree
+from jaxstrategy._src.variables import place_tree
+
+REPLICA_AXIS = "replica"
+
+
+class OneDeviceStrategy(Strategy):
+    """A strategy that runs everything on one device: the API of many devices, tested on one.
+
+    Variables made with `put` or `init` are committed to the device; `run` compiles its
+    function once and computes there; the same code then runs on many devices by changing the
+    constructor. Two strategies on the same device are equal and share a scope.
+
+    Args:
+      device: the device, in any form TensorFlow accepts ('/cpu:0', 'GPU:1', '/device:GPU:0',
+        '/job:localhost/replica:0/task:0/device:CPU:0', 'cpu'), or 'cuda:1', 'tpu:0', a local
+        device index, or a `jax.Device`. None (the default) means JAX's default device, where
+        TensorFlow requires the argument.
+      soft_placement: when `device` does not exist in this process, warn and use the default
+        device instead of raising. TensorFlow falls back silently by default; here a missing
+        device is an error unless you ask for the fall-back.
+
+    Raises:
+      InvalidDeviceError: (a `ValueError`) `device` cannot be parsed, or names a device this
+        process does not have; the message lists the devices it has.
+      TypeError: `device` is of the wrong type, such as a list.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy(device='/cpu:0')
+      >>> strategy.extended.worker_devices
+      ('/job:localhost/replica:0/task:0/device:CPU:0',)
+      >>> def step_fn(x):
+      ...     return x * 2
+      >>> result = 0
+      >>> for i in range(10):
+      ...     result += strategy.run(step_fn, args=(i,))
+      >>> print(result)
+      90
+    """
+
+    def __init__(self, device: DeviceLike = None, *, soft_placement: bool = False):
+        self._device = resolve_device(device, soft_placement=soft_placement, caller="OneDeviceStrategy")
+        self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._mesh = jax.sharding.Mesh(np.array([self._device]), (REPLICA_AXIS,))
+        super().__init__()
+
+    @property
+    def device(self) -> jax.Device:
+        """The `jax.Device` this strategy computes on."""
+        return self._device
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """`(device,)`: the devices of all replicas."""
+        return (self._device,)
+
+    @property
+    def sharding(self) -> jax.sharding.SingleDeviceSharding:
+        """The `SingleDeviceSharding` of the device: where variables and `run` outputs live."""
+        return self._sharding
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """A one-device `jax.sharding.Mesh` with the axis `'replica'`, as multi-device strategies have."""
+        return self._mesh
+
+    def __repr__(self) -> str:
+        return f"OneDeviceStrategy(device={self._device!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OneDeviceStrategy) and other._device == self._device
+
+    def __hash__(self) -> int:
+        return hash((OneDeviceStrategy, self._device))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
+        """Reduce `value` across replicas (a no-op with one) and, unless `axis` is None, along `axis`.
+
+        With `axis=None`, `value` is returned unchanged, whatever it is. With an axis (an int or a
+        tuple of ints), every leaf must be an array with that axis; SUM adds along it, MEAN divides
+        by the count, giving JAX's default float for integers (TensorFlow gives float64).
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
+          value: a pytree of arrays, such as `run`'s result.
+          axis: required, as in TensorFlow: None, or the axis (or axes) to reduce within a replica.
+
+        Returns:
+          The reduced pytree, committed to the device.
+
+        Raises:
+          ValueError: an unknown reduce op name; an axis out of range for a leaf, or a scalar leaf
+            with an axis (each such leaf is named).
+          TypeError: `reduce_op` of the wrong type; a leaf that is not an array, with an axis.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> t = jnp.arange(10)
+          >>> strategy.reduce(jaxstrategy.ReduceOp.SUM, t, axis=None).tolist()
+          [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+          >>> strategy.reduce('sum', t, axis=0).tolist()
+          45
+        """
+        return super().reduce(reduce_op, value, axis)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate `value` across replicas along `axis`; with one replica, return it unchanged.
+
+        Every leaf must be an array with an axis `axis`, as it must on many replicas (TensorFlow's
+        OneDeviceStrategy accepts scalars and any axis here, so code that fails on many devices
+        would pass on one).
+
+        Args:
+          value: a pytree of arrays of rank 1 or more.
+          axis: the axis to concatenate along, in [-rank, rank).
+
+        Returns:
+          `value` itself.
+
+        Raises:
+          ValueError: a scalar leaf, or `axis` out of a leaf's range.
+          TypeError: a leaf that is not an array, or an `axis` that is not an int.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> strategy.gather(jnp.arange(6).reshape(1, 2, 3), axis=1).shape
+          (1, 2, 3)
+        """
+        return super().gather(value, axis)
+
+    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Return `(value,)`: with one replica, its only local result.
+
+        Example:
+          >>> import jaxstrategy
+          >>> jaxstrategy.OneDeviceStrategy().experimental_local_results({'loss': 1.0})
+          ({'loss': 1.0},)
+        """
+        return (value,)
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], PyTree]
+    ) -> PyTree:
+        """Return `value_fn(ValueContext())` with its array-like leaves placed on the device.
+
+        Other leaves are returned as they are. TensorFlow returns the raw result here.
+
+        Raises:
+          TypeError: `value_fn` is not callable.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> value = strategy.experimental_distribute_values_from_function(
+          ...     lambda context: context.num_replicas_in_sync)
+          >>> strategy.experimental_local_results(value)[0].tolist()
+          1
+        """
+        if not callable(value_fn):
+            raise TypeError(
+                "OneDeviceStrategy.experimental_distribute_values_from_function(): value_fn must be "
+                f"callable with a ValueContext; got {value_fn!r}."
+            )
+        value = value_fn(ValueContext(replica_id_in_sync_group=0, num_replicas_in_sync=1))
+        return place_tree(
+            value, self._sharding, caller="experimental_distribute_values_from_function()", static_ok=True
+        )
+
+    @contextlib.contextmanager
+    def _replica_context(self) -> Iterator[None]:
+        replica = ReplicaContext(self, jnp.zeros((), jnp.int32))
+        with contexts.entered(self, replica):
+            yield
+
+    def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return jax.default_device(self._device)
+
+    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
+        if axis is None:
+            return value
+        caller = "OneDeviceStrategy.reduce()"
+        placed = place_tree(value, self._sharding, caller=caller, static_ok=True)
+        return reduce_tree(op, placed, axis, caller=caller)  # Raises for leaves that are not arrays.
+
+    def _gather(self, value: PyTree, axis: int) -> PyTree:
+        caller = "OneDeviceStrategy.gather()"
+        require_array_leaves(value, caller=caller)
+        try:
+            axis = operator.index(axis)
+        except TypeError:
+            raise TypeError(f"{caller}: axis must be an int; got {axis!r}.") from None
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            where = f"the leaf at {format_path('value', path)}" if path else "the value"
+            normalize_axis(axis, np.ndim(leaf), caller=caller, where=where)
+        return value

@@ -1,0 +1,168 @@
+"""`RunOptions`, `InputOptions` and `InputReplicationMode`: frozen, validated on construction.
+
+TensorFlow's options are namedtuples; these are frozen dataclasses with the same field names,
+defaults and keyword construction, compared by value. Copy one with a field changed through
+`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+class InputReplicationMode(enum.Enum):
+    """How input pipelines map to replicas.
+
+    `PER_WORKER`: one pipeline per worker process feeds all its replicas (the default).
+    `PER_REPLICA`: one pipeline per replica; only `distribute_datasets_from_function` of a
+    multi-replica strategy supports it.
+
+    Example:
+      >>> import jaxstrategy
+      >>> [mode.name for mode in jaxstrategy.InputReplicationMode]
+      ['PER_WORKER', 'PER_REPLICA']
+    """
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+    @classmethod
+    def _missing_(cls, value: object) -> InputReplicationMode | None:
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How a distributed dataset moves batches to the device(s).
+
+    Attributes:
+      experimental_fetch_to_device: put batches on the strategy's device(s) (True, the default;
+        None means True), or yield them as host numpy arrays (False).
+      experimental_replication_mode: an `InputReplicationMode` or its name.
+      experimental_place_dataset_on_device: kept for TensorFlow compatibility; JAX has no
+        on-device dataset ops, so it may only be set together with `PER_REPLICA` and
+        `experimental_fetch_to_device=False`, as TensorFlow requires.
+      experimental_per_replica_buffer_size: how many batches a background thread keeps in flight
+        on the device. 2 (double buffering) hides one transfer behind each step; 0 turns the
+        thread off and places each batch on demand. TensorFlow's default is 1.
+
+    Example:
+      >>> import jaxstrategy
+      >>> options = jaxstrategy.InputOptions(experimental_fetch_to_device=None)
+      >>> options.experimental_fetch_to_device, options.experimental_per_replica_buffer_size
+      (True, 2)
+    """
+
+    experimental_fetch_to_device: bool | None = True
+    experimental_replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 2
+
+    def __post_init__(self) -> None:
+        fetch = self.experimental_fetch_to_device
+        _check_bool("InputOptions", "experimental_fetch_to_device", fetch, allow_none=True)
+        object.__setattr__(self, "experimental_fetch_to_device", True if fetch is None else fetch)
+        mode = self.experimental_replication_mode
+        try:
+            mode = InputReplicationMode(mode)
+        except ValueError:
+            raise ValueError(
+                f"InputOptions(experimental_replication_mode={mode!r}): expected an "
+                "InputReplicationMode or one of 'PER_WORKER', 'PER_REPLICA'."
+            ) from None
+        object.__setattr__(self, "experimental_replication_mode", mode)
+        on_device = self.experimental_place_dataset_on_device
+        _check_bool("InputOptions", "experimental_place_dataset_on_device", on_device)
+        if on_device and (mode is not InputReplicationMode.PER_REPLICA or self.experimental_fetch_to_device):
+            raise ValueError(
+                "InputOptions(experimental_place_dataset_on_device=True) needs "
+                "experimental_replication_mode=InputReplicationMode.PER_REPLICA and "
+                "experimental_fetch_to_device=False, as in TensorFlow."
+            )
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(
+                f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected an int "
+                ">= 0 (0 turns prefetching off; 2, the default, double-buffers)."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Options for `Strategy.run`.
+
+    TensorFlow's three fields are accepted and have no effect, as in TensorFlow on anything but
+    TPUs (JAX compiles for the shapes it is given). `donate_argnums` and `donate_argnames` add
+    JAX's buffer donation: the named arguments' arrays are given to the computation to reuse for
+    its outputs (and deleted), which saves memory when a step replaces its state. An array passed
+    to a donated argument may not be passed anywhere else in the same call.
+
+    Attributes:
+      experimental_enable_dynamic_batch_size: accepted for TensorFlow compatibility; no effect.
+      experimental_bucketizing_dynamic_shape: accepted for TensorFlow compatibility; no effect.
+      experimental_xla_options: accepted for TensorFlow compatibility; no effect.
+      donate_argnums: positions in `args` whose arrays are donated (an int or a sequence).
+      donate_argnames: names in `kwargs` whose arrays are donated (a str or a sequence).
+
+    Example:
+      >>> import jaxstrategy
+      >>> jaxstrategy.RunOptions(donate_argnums=0).donate_argnums
+      (0,)
+    """
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: Any = None
+    donate_argnums: int | Sequence[int] = ()
+    donate_argnames: str | Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        _check_bool(
+            "RunOptions",
+            "experimental_enable_dynamic_batch_size",
+            self.experimental_enable_dynamic_batch_size,
+        )
+        _check_bool(
+            "RunOptions",
+            "experimental_bucketizing_dynamic_shape",
+            self.experimental_bucketizing_dynamic_shape,
+        )
+        object.__setattr__(self, "donate_argnums", _as_argnums(self.donate_argnums))
+        object.__setattr__(self, "donate_argnames", _as_argnames(self.donate_argnames))
+
+
+def _check_bool(owner: str, field: str, value: Any, *, allow_none: bool = False) -> None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    expected = "True, False or None" if allow_none else "True or False"
+    raise TypeError(f"{owner}({field}={value!r}): expected {expected}.")
+
+
+def _as_argnums(value: Any) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) else value
+    try:
+        if isinstance(items, str) or any(isinstance(i, bool) for i in items):
+            raise TypeError
+        numbers = tuple(sorted({operator.index(i) for i in items}))
+    except TypeError:
+        raise TypeError(
+            f"RunOptions(donate_argnums={value!r}): expected an int or a sequence of ints."
+        ) from None
+    if any(n < 0 for n in numbers):
+        raise ValueError(f"RunOptions(donate_argnums={value!r}): positions must be >= 0.")
+    return numbers
+
+
+def _as_argnames(value: Any) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if isinstance(items, Iterable):
+        names = tuple(items)
+        if all(isinstance(n, str) for n in names):
+            return tuple(sorted(set(names)))
+    raise TypeError(f"RunOptions(donate_argnames={value!r}): expected a str or a sequence of strs.")

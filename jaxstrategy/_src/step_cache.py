@@ -1,0 +1,286 @@
+"""Compile each step function once per strategy, then call it with its inputs placed.
+
+`Strategy.run` must cost about what a bare cached `jax.jit` call costs (measured here: a Python
+loop over the argument leaves alone adds 10%). So the hot path does no per-leaf Python work: a
+function seen before with array arguments is found in `StepCache.fast` and called with `*args`;
+jit's C++ dispatch flattens the arguments and places them through the pinned `in_shardings`
+(Python scalars and numpy arrays are transferred by jit itself, and arrays committed to another
+device are copied). Keyword arguments go through a second wrapper that takes `(args, kwargs)`,
+because jit cannot pin `in_shardings` for keyword arguments.
+
+Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
+rejects them before tracing, so the first such call takes the slow path: the arguments are
+flattened, the non-array leaves become one hashable static argument, and that function stays on
+the slow path from then on. Buffer donation always takes the slow path, which also guards against
+donating a buffer that is used twice in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import warnings
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import jax
+
+from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_path
+from jaxstrategy._src.options import RunOptions
+from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.types import PyTree, StepFn
+
+# Compiled wrappers kept per strategy. Beyond this the oldest is dropped (a program that makes a
+# new function every step would otherwise keep every one of them alive).
+_MAX_ENTRIES = 256
+# How many distinct function objects with the same code are compiled before warning.
+_RECOMPILES_BEFORE_WARNING = 2
+
+_STATIC, _KEPT, _DONATED = 0, 1, 2
+
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+# Functions and bound methods hash by identity (of the function, and of the method's object),
+# which is exactly when a compiled wrapper can be reused. Other callables may define equality by
+# value, so they are keyed by id and held alive by their entry.
+_IDENTITY_HASHED = (types.FunctionType, types.MethodType)
+
+
+class StepCache:
+    """Compiled step functions of one strategy, each traced once.
+
+    Args:
+      sharding: where inputs are placed and outputs committed.
+      trace_context: returns the context manager a function runs in while it is traced (for
+        `run`, the replica context).
+      caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
+      scalars_are_static: treat Python scalars as compile-time constants rather than tracing
+        them (for `init`, whose integer arguments are usually sizes).
+
+    Attributes:
+      fast: for each function whose last call had only array-like positional arguments and no
+        options, its compiled wrapper, to be called as `fast[fn](*args)`; a `TypeError` from
+        that call means some argument was not an array, and the call belongs to `__call__`.
+    """
+
+    def __init__(
+        self,
+        *,
+        sharding: jax.sharding.Sharding,
+        trace_context: Callable[[], AbstractContextManager[Any]],
+        caller: str,
+        scalars_are_static: bool = False,
+    ):
+        self.fast: dict[Any, Callable[..., Any]] = {}
+        self._sharding = sharding
+        self._trace_context = trace_context
+        self._caller = caller
+        self._scalars_are_static = scalars_are_static
+        self._entries: dict[Hashable, _CompiledStep] = {}
+        self._compiles_per_code: dict[types.CodeType, int] = {}
+
+    def __call__(
+        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
+    ) -> PyTree:
+        identity_keyed = type(fn) in _IDENTITY_HASHED
+        key: Any = fn if identity_keyed else id(fn)
+        if options is not None and (options.donate_argnums or options.donate_argnames):
+            key = (key, options.donate_argnums, options.donate_argnames)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._add(key, fn, options)
+        if entry.slow_path:
+            return entry.call_partitioned(args, kwargs)
+        try:
+            result = entry.packed(args, kwargs) if kwargs else entry.positional(*args)
+        except TypeError:
+            # jit rejects non-array arguments before tracing; a TypeError with only array leaves
+            # came from the function itself.
+            if all(is_array_like(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+                raise
+            entry.slow_path = True
+            self.fast.pop(key, None)
+            return entry.call_partitioned(args, kwargs)
+        if not kwargs and identity_keyed:  # Donation never gets here: it is always slow_path.
+            self.fast[key] = entry.positional
+        return result
+
+    def _add(self, key: Hashable, fn: StepFn, options: RunOptions | None) -> _CompiledStep:
+        if len(self._entries) >= _MAX_ENTRIES:
+            oldest = next(iter(self._entries))
+            del self._entries[oldest]
+            self.fast.pop(oldest, None)
+        self._warn_on_repeated_code(fn)
+        entry = _CompiledStep(
+            fn, self._sharding, self._trace_context, self._caller, options, self._scalars_are_static
+        )
+        self._entries[key] = entry
+        return entry
+
+    def _warn_on_repeated_code(self, fn: StepFn) -> None:
+        code = _code_of(fn)
+        if code is None:
+            return
+        count = self._compiles_per_code.get(code, 0) + 1
+        self._compiles_per_code[code] = count
+        if count == _RECOMPILES_BEFORE_WARNING + 1:
+            warnings.warn(
+                f"{self._caller} has now compiled {count} different function objects made from the "
+                f"same code ({code.co_name} at {code.co_filename}:{code.co_firstlineno}). Each new "
+                "function object, such as a lambda or a functools.partial made inside a loop, is "
+                "traced and compiled again, which takes milliseconds per call. Define the function "
+                "once, outside the loop, and pass that same object to every call.",
+                stacklevel=caller_stacklevel(),
+            )
+
+
+class _CompiledStep:
+    """The jitted wrappers of one step function: a fast one, and one for static or donated leaves."""
+
+    def __init__(
+        self,
+        fn: StepFn,
+        sharding: jax.sharding.Sharding,
+        trace_context: Callable[[], AbstractContextManager[Any]],
+        caller: str,
+        options: RunOptions | None,
+        scalars_are_static: bool,
+    ):
+        self.fn = fn  # Keeps an id-keyed callable alive while its entry exists.
+        self._caller = caller
+        # RunOptions normalises both to sorted tuples.
+        self._donate_argnums = cast(tuple[int, ...], () if options is None else options.donate_argnums)
+        self._donate_argnames = cast(tuple[str, ...], () if options is None else options.donate_argnames)
+        self.scalars_are_static = scalars_are_static
+        # Donation and static scalars need the argument leaves sorted in Python on every call.
+        self.slow_path = bool(self._donate_argnums or self._donate_argnames) or scalars_are_static
+
+        def call_positional(*args: Any) -> PyTree:
+            with trace_context():
+                return fn(*args)
+
+        def call_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+            with trace_context():
+                return fn(*args, **kwargs)
+
+        def call_with_static(spec: _StaticSpec, donated: list[Any], kept: list[Any]) -> PyTree:
+            args, kwargs = spec.rebuild(donated, kept)
+            with trace_context():
+                return fn(*args, **kwargs)
+
+        name = getattr(fn, "__name__", type(fn).__name__)
+        for wrapper in (call_positional, call_packed, call_with_static):
+            wrapper.__name__ = wrapper.__qualname__ = name  # Names the compiled program after fn.
+        self.positional = jax.jit(call_positional, in_shardings=sharding, out_shardings=sharding)
+        self.packed = jax.jit(call_packed, in_shardings=sharding, out_shardings=sharding)
+        self._partitioned = jax.jit(
+            call_with_static,
+            static_argnums=0,
+            donate_argnums=1 if self._donate_argnums or self._donate_argnames else (),
+            in_shardings=sharding,
+            out_shardings=sharding,
+        )
+
+    def call_partitioned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+        return self._partitioned(*self._partition(args, kwargs))
+
+    def _partition(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_StaticSpec, list[Any], list[Any]]:
+        self._check_donated_arguments_exist(args, kwargs)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        kinds, static, donated, kept = [], [], [], []
+        unhashable: list[str] = []
+        donated_paths: dict[int, str] = {}
+        for path, leaf in path_leaves:
+            where = _argument_name(path)
+            if not is_array_like(leaf) or (self.scalars_are_static and isinstance(leaf, _PYTHON_SCALARS)):
+                kinds.append(_STATIC)
+                static.append(leaf)
+                if not _is_hashable(leaf):
+                    unhashable.append(f"{where} is a {type(leaf).__name__}")
+            elif self._is_donated(path):
+                kinds.append(_DONATED)
+                donated.append(leaf)
+                if id(leaf) in donated_paths:
+                    raise self._donated_twice(donated_paths[id(leaf)], where)
+                donated_paths[id(leaf)] = where
+            else:
+                kinds.append(_KEPT)
+                kept.append(leaf)
+        if unhashable:
+            raise TypeError(
+                f"{self._caller}: arguments that are not arrays are compile-time constants and must "
+                f"be hashable, but these are not:{bullet_list(unhashable)}\nPass them as arrays, make "
+                "them hashable (a tuple instead of a list, a frozen dataclass), or close over them "
+                "in the function."
+            )
+        for path, leaf in path_leaves:
+            if id(leaf) in donated_paths and not self._is_donated(path):
+                raise self._donated_twice(donated_paths[id(leaf)], _argument_name(path))
+        return _StaticSpec(treedef, tuple(kinds), tuple(static)), donated, kept
+
+    def _is_donated(self, path: tuple[Any, ...]) -> bool:
+        group, top = path[0], path[1]  # (args, kwargs) -> the position or name.
+        if group.idx == 0:
+            return top.idx in self._donate_argnums
+        return top.key in self._donate_argnames
+
+    def _check_donated_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        missing = [f"donate_argnums position {n}" for n in self._donate_argnums if n >= len(args)]
+        missing += [f"donate_argnames name {n!r}" for n in self._donate_argnames if n not in kwargs]
+        if missing:
+            raise ValueError(
+                f"{self._caller}: RunOptions donates arguments that this call does not pass "
+                f"({', '.join(missing)}); it passed {len(args)} positional argument(s) and "
+                f"keyword arguments {sorted(kwargs)}."
+            )
+
+    def _donated_twice(self, donated_at: str, also_at: str) -> ValueError:
+        return ValueError(
+            f"{self._caller}: the same array is passed as {donated_at} and as {also_at}, and "
+            f"{donated_at} is donated (RunOptions.donate_argnums / donate_argnames). Donation "
+            "deletes the array's buffer, so it cannot also be used elsewhere in the call. Pass a "
+            "copy (jnp.copy(x)) in one of the places, or do not donate it."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StaticSpec:
+    """The hashable part of a call: the argument structure and its non-array leaves."""
+
+    treedef: Any
+    kinds: tuple[int, ...]
+    static: tuple[Any, ...]
+
+    def rebuild(self, donated: list[Any], kept: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        sources = {_STATIC: iter(self.static), _KEPT: iter(kept), _DONATED: iter(donated)}
+        return jax.tree.unflatten(self.treedef, [next(sources[kind]) for kind in self.kinds])
+
+
+def _argument_name(path: tuple[Any, ...]) -> str:
+    group, rest = path[0], path[1:]
+    if group.idx == 0:
+        return format_path("args", rest)
+    return format_path("kwargs", rest)
+
+
+def _is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _code_of(fn: Any) -> types.CodeType | None:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    code = getattr(fn, "__code__", None)
+    if code is None and callable(fn):
+        code = getattr(type(fn).__call__, "__code__", None)
+    return code if isinstance(code, types.CodeType) else None

@@ -1,0 +1,306 @@
+"""`Strategy`: the TensorFlow-shaped methods every strategy shares, as thin checked facades.
+
+Each method checks its arguments and context eagerly (before anything is traced), then hands
+off to module-level functions or to the two hooks a concrete strategy supplies: how to reduce
+and gather its values across replicas.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from jaxstrategy._src import contexts
+from jaxstrategy._src.contexts import ValueContext
+from jaxstrategy._src.device_spec import canonical_name
+from jaxstrategy._src.options import RunOptions
+from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
+from jaxstrategy._src.step_cache import StepCache
+from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.types import PyTree, StepFn
+from jaxstrategy._src.variables import place_tree
+
+_current_state = contexts.STATE.get
+_OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyExtended:
+    """`strategy.extended`: TensorFlow's read-only facts about a strategy's devices and roles.
+
+    Attributes:
+      worker_devices: the compute devices, as TensorFlow's canonical names.
+      parameter_devices: where variables live, as TensorFlow's canonical names.
+      experimental_between_graph: always False (one program drives every device).
+      experimental_should_init: whether this process initialises variables.
+      should_checkpoint: whether this process should save checkpoints.
+      should_save_summary: whether this process should write summaries.
+      experimental_require_static_shapes: False; JAX compiles one program per shape.
+    """
+
+    worker_devices: tuple[str, ...]
+    parameter_devices: tuple[str, ...]
+    experimental_between_graph: bool = False
+    experimental_should_init: bool = True
+    should_checkpoint: bool = True
+    should_save_summary: bool = True
+    experimental_require_static_shapes: bool = False
+
+
+class Strategy(abc.ABC):
+    """The `tf.distribute.Strategy` API over JAX devices; see `OneDeviceStrategy`."""
+
+    def __init__(self) -> None:
+        name = type(self).__name__
+        self._run_steps = StepCache(
+            sharding=self.sharding, trace_context=self._replica_context, caller=f"{name}.run()"
+        )
+        self._compiled_runs = self._run_steps.fast  # Saves an attribute lookup per run().
+        self._init_steps = StepCache(
+            sharding=self.sharding,
+            trace_context=lambda: contexts.entered(self),
+            caller=f"{name}.init()",
+            scalars_are_static=True,
+        )
+
+    # What a concrete strategy supplies.
+
+    @property
+    @abc.abstractmethod
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices this strategy computes on, one per replica."""
+
+    @property
+    @abc.abstractmethod
+    def sharding(self) -> jax.sharding.Sharding:
+        """The sharding of variables: where `put` and `init` place their results."""
+
+    @abc.abstractmethod
+    def _replica_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Enter the replica context in which `run` traces its function."""
+
+    @abc.abstractmethod
+    def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Make arrays created in `scope()` land on this strategy's device(s)."""
+
+    @abc.abstractmethod
+    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
+        """Reduce checked arguments across replicas (and along `axis` when not None)."""
+
+    @abc.abstractmethod
+    def _gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate the replicas' values of `value` along `axis`."""
+
+    @abc.abstractmethod
+    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Return the values of `value` on this process's replicas, as a tuple."""
+
+    @abc.abstractmethod
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], PyTree]
+    ) -> PyTree:
+        """Call `value_fn` for each replica with its `ValueContext` and distribute the results."""
+
+    # Shared behaviour.
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over which gradients are aggregated."""
+        return len(self.devices)
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of a multi-worker strategy; None for single-process strategies."""
+        return None
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TensorFlow's `StrategyExtended` facts: device names and this process's roles."""
+        names = tuple(canonical_name(device) for device in self.devices)
+        return StrategyExtended(worker_devices=names, parameter_devices=names)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Make this strategy current, and its device JAX's default, for the `with` block.
+
+        Inside, `jaxstrategy.get_strategy()` returns this strategy and arrays created by JAX land
+        on its device (uncommitted, as under `jax.default_device`). Entering the scope of the same
+        strategy again is allowed; another strategy's scope, or a scope inside `run`, is an error.
+
+        Raises:
+          StrategyContextError: (a `RuntimeError`) inside another strategy's scope, or inside
+            `run`.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+          >>> with strategy.scope() as current:
+          ...     v = jnp.ones(3)
+          >>> current is strategy, v.devices() == {strategy.device}
+          (True, True)
+        """
+        contexts.require_cross_replica_context(
+            self, "scope()", in_run_hint="Enter the scope outside the function given to run()."
+        )
+        with contexts.entered(self), self._default_device_scope():
+            yield self
+
+    def run(
+        self,
+        fn: StepFn,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> PyTree:
+        """Run `fn(*args, **kwargs)` compiled on the strategy's device(s), and return its outputs there.
+
+        `fn` is traced and compiled once per strategy (a bound method passed afresh each step
+        counts as the same function) and replayed afterwards, so Python side effects in `fn` happen
+        only while it is traced. While traced, `fn` runs in the replica context:
+        `jaxstrategy.get_replica_context()` gives the replica id and collectives.
+
+        Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced
+        and placed on the device, so a new Python int does not recompile and arrays committed to
+        another device are copied here. Other leaves (strings, enums, configs) are compile-time
+        constants and must be hashable. TensorFlow returns `fn`'s raw Python result; here outputs
+        are jax arrays committed to the device.
+
+        Args:
+          fn: the function to run; it must return a pytree of arrays.
+          args: positional arguments, a tuple or list.
+          kwargs: keyword arguments, a dict.
+          options: a `RunOptions`; its `donate_argnums` and `donate_argnames` donate buffers.
+
+        Returns:
+          `fn`'s outputs, as jax arrays committed to the device.
+
+        Raises:
+          TypeError: `fn` is not callable; `kwargs` or `options` has the wrong type; an argument
+            that is not an array is not hashable (each such argument is named by path).
+          ValueError: `args` is not a tuple or list; a donated array is passed twice.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> out = strategy.run(lambda x, scale: {'y': x * scale}, args=(3,), kwargs={'scale': 2.0})
+          >>> out['y'].tolist(), out['y'].committed
+          (6.0, True)
+        """
+        # The hot path, kept to a few checks (see step_cache.py): a function already compiled for
+        # array arguments, called with a tuple of them, outside run and any other strategy's scope.
+        if kwargs is None and options is None and type(args) is tuple:
+            try:
+                compiled = self._compiled_runs.get(fn)
+            except TypeError:  # An unhashable callable object; StepCache keys it by id.
+                compiled = None
+            if compiled is not None:
+                state = _current_state()
+                if state is _OUTSIDE_EVERY_SCOPE or (
+                    state.strategy is self and state.replica_context is None
+                ):
+                    try:
+                        return compiled(*args)
+                    except TypeError:
+                        if all(is_array_like(leaf) for leaf in jax.tree.leaves(args)):
+                            raise
+        return self._run_checked(fn, args, kwargs, options)
+
+    def _run_checked(
+        self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
+    ) -> PyTree:
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.run(): fn must be callable; got {fn!r}.")
+        if type(args) is not tuple:
+            if not isinstance(args, tuple | list):
+                raise ValueError(
+                    f"{type(self).__name__}.run(): positional args must be a list or tuple, got "
+                    f"{type(args).__name__}. Pass a single argument as args=(x,)."
+                )
+            args = tuple(args)
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise TypeError(
+                f"{type(self).__name__}.run(): kwargs must be a dict; got {type(kwargs).__name__}."
+            )
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(
+                f"{type(self).__name__}.run(): options must be a jaxstrategy.RunOptions; got {options!r}."
+            )
+        contexts.require_cross_replica_context(
+            self,
+            f"{type(self).__name__}.run()",
+            in_run_hint="Call the inner function directly instead of through run().",
+        )
+        return self._run_steps(fn, args, kwargs, options)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
+        """Reduce `value` across replicas, and along `axis` unless it is None."""
+        caller = f"{type(self).__name__}.reduce()"
+        contexts.require_cross_replica_context(
+            self,
+            caller,
+            in_run_hint="Use jaxstrategy.get_replica_context().all_reduce() inside run, or "
+            "get_replica_context().merge_call().",
+        )
+        return self._reduce(as_reduce_op(reduce_op, caller=caller), value, axis)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate `value` across replicas along `axis`."""
+        contexts.require_cross_replica_context(
+            self,
+            f"{type(self).__name__}.gather()",
+            in_run_hint="Use jaxstrategy.get_replica_context().all_gather() inside run instead.",
+        )
+        return self._gather(value, axis)
+
+    def put(self, tree: PyTree) -> PyTree:
+        """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.
+
+        Numpy leaves bound for a CPU device are copied, because JAX may otherwise share their
+        memory and a later write to the numpy array would change the variable.
+
+        Raises:
+          TypeError: a leaf is not an array-like; every such leaf is named by its path.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> params = strategy.put({'w': np.zeros((2, 3)), 'b': 0.0})
+          >>> params['w'].committed, params['b'].dtype.name
+          (True, 'float32')
+        """
+        caller = f"{type(self).__name__}.put()"
+        contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
+        return place_tree(tree, self.sharding, caller=caller)
+
+    def init(self, fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
+        """Return `fn(*args, **kwargs)` compiled, its outputs created directly on `self.sharding`.
+
+        Parameters are never materialised on the host or another device first. `fn` is compiled
+        once per strategy and its arguments follow the rules of `run`.
+
+        Raises:
+          TypeError: `fn` is not callable, or an argument that is not an array is not hashable.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> params = strategy.init(lambda key: jax.random.normal(key, (3,)), jax.random.key(0))
+          >>> params.shape, params.committed
+          ((3,), True)
+        """
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.init(): fn must be callable; got {fn!r}.")
+        contexts.require_cross_replica_context(
+            self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
+        )
+        return self._init_steps(fn, args, kwargs)

@@ -1,0 +1,43 @@
+"""Checks on the leaves of pytrees: which are arrays, and errors that name every bad one."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstrategy._src.errors import bullet_list, format_path
+from jaxstrategy._src.types import PyTree
+
+# JAX arrays (tracers included) and the Python scalars JAX traces as weakly typed arrays.
+_TRACED_TYPES = (jax.Array, bool, int, float, complex)
+
+
+def is_array_like(x: Any) -> bool:
+    """Whether `x` is a value JAX traces: a JAX or numeric numpy array or scalar, or a Python number.
+
+    Everything else (strings, enums, configs, functions) is a static, compile-time value. An
+    `IntEnum` member counts as an enum, not a number: it usually selects code paths.
+    """
+    if isinstance(x, enum.Enum):
+        return False
+    if isinstance(x, _TRACED_TYPES):
+        return True
+    if isinstance(x, np.ndarray | np.generic):
+        # jnp.issubdtype, unlike numpy's, knows the ml_dtypes types such as bfloat16.
+        return x.dtype == np.bool_ or jnp.issubdtype(x.dtype, jnp.number)
+    return hasattr(x, "__jax_array__")
+
+
+def require_array_leaves(tree: PyTree, *, caller: str, name: str = "value", why: str = "") -> None:
+    """Raise a TypeError that names, by path, every leaf of `tree` that is not array-like."""
+    bad = [
+        f"{format_path(name, path)} is a {type(leaf).__name__}"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not is_array_like(leaf)
+    ]
+    if bad:
+        raise TypeError(f"{caller}: every leaf must be an array{why}:{bullet_list(bad)}")

@@ -1,0 +1,346 @@
+"""Behaviour every strategy must share, checked against `../shared/SEMANTICS.md`.
+
+A strategy's test module subclasses `StrategyConformance` and provides a `strategy` fixture; the
+expectations are written in terms of `num_replicas_in_sync`, so the same tests hold on one
+device and on many. Rows that only make sense on one device live in test_one_device.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstrategy
+from jaxstrategy import ReduceOp
+
+
+def _double(x):
+    return x * 2
+
+
+def _assert_on_strategy(tree, strategy):
+    for leaf in jax.tree.leaves(tree):
+        assert isinstance(leaf, jax.Array), f"{leaf!r} is not a jax array"
+        assert leaf.committed, f"{leaf!r} is not committed"
+        assert leaf.devices() <= set(strategy.devices), f"{leaf!r} is on {leaf.devices()}"
+
+
+class StrategyConformance:
+    """Tests run against the `strategy` fixture of the subclass."""
+
+    # --- run ---------------------------------------------------------------------------------
+
+    def test_spec_loop_prints_90_and_traces_once(self, strategy, capsys):
+        traces = []
+
+        def step_fn(x):
+            traces.append(x)
+            return x * 2
+
+        result = 0
+        for i in range(10):
+            result += strategy.run(step_fn, args=(i,))
+        print(result)
+        assert capsys.readouterr().out == "90\n"
+        assert len(traces) == 1, "step_fn was traced more than once"
+
+    def test_run_outputs_are_committed_arrays_on_the_strategy(self, strategy):
+        out = strategy.run(lambda x, y: {"sum": x + y, "scaled": x * 0.5}, args=(np.float32(3), 4))
+        _assert_on_strategy(out, strategy)
+
+    def test_run_passes_kwargs_and_accepts_a_list_of_args(self, strategy):
+        out = strategy.run(lambda x, *, scale: x * scale, args=[3], kwargs={"scale": 2})
+        assert strategy.experimental_local_results(out)[0].tolist() == 6
+
+    def test_run_rejects_args_that_are_not_a_list_or_tuple(self, strategy):
+        with pytest.raises(
+            ValueError, match=r"positional args must be a list or tuple, got int.*args=\(x,\)"
+        ):
+            strategy.run(_double, args=3)
+
+    def test_run_rejects_kwargs_that_are_not_a_dict(self, strategy):
+        with pytest.raises(TypeError, match=r"kwargs must be a dict; got list"):
+            strategy.run(_double, args=(1,), kwargs=[("x", 1)])
+
+    def test_run_rejects_options_of_the_wrong_type(self, strategy):
+        with pytest.raises(TypeError, match=r"options must be a jaxstrategy.RunOptions; got \{\}"):
+            strategy.run(_double, args=(1,), options={})
+
+    def test_run_rejects_a_non_callable_before_tracing(self, strategy):
+        with pytest.raises(TypeError, match=r"run\(\): fn must be callable; got 42"):
+            strategy.run(42)
+
+    def test_run_inside_run_is_an_error(self, strategy):
+        def outer(x):
+            return strategy.run(_double, args=(x,))
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"requires the cross-replica context"):
+            strategy.run(outer, args=(1,))
+
+    def test_run_compiles_once_for_python_ints(self, strategy):
+        chex.clear_trace_counter()  # chex counts per code object, across parametrized runs.
+
+        @chex.assert_max_traces(n=1)
+        def step(x):
+            return x + 1
+
+        for i in range(20):
+            strategy.run(step, args=(i,))
+
+    def test_run_of_a_bound_method_passed_each_step_traces_once(self, strategy):
+        class Model:
+            traces = 0
+
+            def step(self, x):
+                Model.traces += 1
+                return x * 3
+
+        model = Model()
+        for i in range(5):
+            strategy.run(model.step, args=(i,))
+        assert Model.traces == 1
+
+    # --- replica context ---------------------------------------------------------------------
+
+    def test_replica_context_inside_run(self, strategy):
+        seen = {}
+
+        def step(x):
+            context = jaxstrategy.get_replica_context()
+            seen["context"] = context
+            seen["in_cross_replica"] = jaxstrategy.in_cross_replica_context()
+            seen["strategy"] = jaxstrategy.get_strategy()
+            return context.replica_id_in_sync_group + x * 0
+
+        ids = strategy.run(step, args=(0,))
+        context = seen["context"]
+        assert context.strategy is strategy
+        assert context.num_replicas_in_sync == strategy.num_replicas_in_sync
+        assert seen["in_cross_replica"] is False
+        assert seen["strategy"] is strategy
+        local = [int(v) for v in strategy.experimental_local_results(ids)]
+        assert local == list(range(strategy.num_replicas_in_sync))
+        assert strategy.experimental_local_results(ids)[0].dtype == jnp.int32
+
+    def test_all_reduce_sum_and_mean(self, strategy):
+        n = strategy.num_replicas_in_sync
+
+        def step(x):
+            context = jaxstrategy.get_replica_context()
+            return context.all_reduce("sum", x), context.all_reduce(ReduceOp.MEAN, x)
+
+        total, mean = strategy.run(step, args=(jnp.int32(2),))
+        assert strategy.experimental_local_results(total)[0].tolist() == 2 * n
+        assert strategy.experimental_local_results(mean)[0].tolist() == 2.0
+        assert strategy.experimental_local_results(mean)[0].dtype == jnp.float32
+
+    def test_all_reduce_rejects_an_unknown_op(self, strategy):
+        def step(x):
+            return jaxstrategy.get_replica_context().all_reduce("max", x)
+
+        with pytest.raises(ValueError, match=r"'max' is not a valid ReduceOp; expected ReduceOp.SUM"):
+            strategy.run(step, args=(1.0,))
+
+    def test_all_gather_rejects_a_scalar(self, strategy):
+        def step(x):
+            return jaxstrategy.get_replica_context().all_gather(x, axis=0)
+
+        with pytest.raises(ValueError, match=r"is a scalar \(rank 0\), so it has no axis 0"):
+            strategy.run(step, args=(1.0,))
+
+    def test_all_gather_concatenates_replicas(self, strategy):
+        def step(x):
+            return jaxstrategy.get_replica_context().all_gather(x, axis=0)
+
+        gathered = strategy.run(step, args=(jnp.ones((2, 3)),))
+        assert strategy.experimental_local_results(gathered)[0].shape == (
+            2 * strategy.num_replicas_in_sync,
+            3,
+        )
+
+    def test_merge_call_runs_in_cross_replica_context(self, strategy):
+        seen = {}
+
+        def merge_fn(merge_strategy, value):
+            seen["strategy"] = merge_strategy
+            seen["cross"] = jaxstrategy.in_cross_replica_context()
+            return value + 1
+
+        def step(x):
+            return jaxstrategy.get_replica_context().merge_call(merge_fn, args=(x,))
+
+        strategy.run(step, args=(1,))
+        assert seen == {"strategy": strategy, "cross": True}
+
+    # --- reduce ------------------------------------------------------------------------------
+
+    def test_reduce_requires_axis(self, strategy):
+        with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'axis'"):
+            strategy.reduce(ReduceOp.SUM, jnp.arange(3))
+
+    @pytest.mark.parametrize("op", ["sum", "SUM", "Sum", ReduceOp.SUM], ids=str)
+    def test_reduce_sum_along_axis(self, strategy, op):
+        values = strategy.experimental_distribute_values_from_function(lambda _: jnp.arange(10))
+        result = strategy.reduce(op, values, axis=0)
+        assert result.tolist() == 45 * strategy.num_replicas_in_sync
+        _assert_on_strategy(result, strategy)
+
+    @pytest.mark.parametrize("op", ["mean", "Mean", ReduceOp.MEAN], ids=str)
+    def test_reduce_mean_along_axis_is_a_float_of_the_global_mean(self, strategy, op):
+        values = strategy.experimental_distribute_values_from_function(lambda _: jnp.arange(10))
+        result = strategy.reduce(op, values, axis=0)
+        assert result.tolist() == 4.5
+        assert result.dtype == jnp.float32
+
+    @pytest.mark.parametrize("op", ["max", "bogus"])
+    def test_reduce_rejects_unknown_op_names(self, strategy, op):
+        with pytest.raises(ValueError, match=rf"'{op}' is not a valid ReduceOp; expected ReduceOp.SUM"):
+            strategy.reduce(op, jnp.arange(3), axis=None)
+
+    @pytest.mark.parametrize("op", [None, 1])
+    def test_reduce_rejects_ops_of_the_wrong_type(self, strategy, op):
+        with pytest.raises(TypeError, match=rf"reduce_op must be ReduceOp.SUM.*got {op!r} of type"):
+            strategy.reduce(op, jnp.arange(3), axis=0)
+
+    def test_reduce_of_a_scalar_along_an_axis_names_the_rank(self, strategy):
+        with pytest.raises(ValueError, match=r"is a scalar \(rank 0\), so it has no axis 0"):
+            strategy.reduce("sum", jnp.float32(1), axis=0)
+
+    def test_reduce_out_of_range_axis_names_rank_and_axis(self, strategy):
+        with pytest.raises(ValueError, match=r"axis 2 is out of range for the value, which has rank 2"):
+            strategy.reduce("mean", jnp.ones((2, 3)), axis=2)
+
+    def test_reduce_names_every_bad_leaf(self, strategy):
+        tree = {"ok": jnp.ones((2, 2)), "bad": jnp.float32(0), "worse": jnp.ones(3)}
+        with pytest.raises(
+            ValueError, match=r"value\['bad'\] is a scalar.*\n.*value\['worse'\], which has rank 1"
+        ) as info:
+            strategy.reduce("sum", tree, axis=(0, 1))
+        assert "value['ok']" not in str(info.value)
+
+    def test_reduce_inside_run_is_an_error(self, strategy):
+        def step(x):
+            return strategy.reduce("sum", x, axis=None)
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"all_reduce\(\) inside run"):
+            strategy.run(step, args=(1.0,))
+
+    # --- gather ------------------------------------------------------------------------------
+
+    def test_gather_rejects_a_scalar(self, strategy):
+        with pytest.raises(ValueError, match=r"gather\(\): the value is a scalar \(rank 0\)"):
+            strategy.gather(jnp.float32(1), axis=0)
+
+    @pytest.mark.parametrize("axis", [3, -4])
+    def test_gather_rejects_an_axis_out_of_range(self, strategy, axis):
+        value = jnp.arange(6).reshape(1, 2, 3)
+        with pytest.raises(
+            ValueError, match=rf"axis {axis} is out of range .* rank 3; expected an axis in \[-3, 3\)"
+        ):
+            strategy.gather(value, axis=axis)
+
+    def test_gather_inside_run_is_an_error(self, strategy):
+        def step(x):
+            return strategy.gather(x, axis=0)
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"all_gather\(\) inside run instead"):
+            strategy.run(step, args=(jnp.ones(2),))
+
+    # --- values and local results ------------------------------------------------------------
+
+    def test_values_from_function_are_placed_per_replica(self, strategy):
+        contexts = []
+
+        def value_fn(context):
+            contexts.append(context)
+            return np.float32(context.replica_id_in_sync_group)
+
+        values = strategy.experimental_distribute_values_from_function(value_fn)
+        local = strategy.experimental_local_results(values)
+        assert [c.replica_id_in_sync_group for c in contexts] == list(range(strategy.num_replicas_in_sync))
+        assert [float(v) for v in local] == [float(i) for i in range(strategy.num_replicas_in_sync)]
+        for value, device in zip(local, strategy.devices, strict=True):
+            assert value.devices() == {device} and value.committed
+
+    def test_values_from_function_rejects_a_non_callable(self, strategy):
+        with pytest.raises(TypeError, match=r"value_fn must be callable with a ValueContext; got 1"):
+            strategy.experimental_distribute_values_from_function(1)
+
+    def test_local_results_of_run_has_one_value_per_replica(self, strategy):
+        out = strategy.run(_double, args=(1,))
+        assert len(strategy.experimental_local_results(out)) == strategy.num_replicas_in_sync
+
+    # --- scope and context -------------------------------------------------------------------
+
+    def test_scope_makes_the_strategy_current_and_its_device_the_default(self, strategy):
+        assert not jaxstrategy.has_strategy()
+        with strategy.scope() as current:
+            assert current is strategy
+            assert jaxstrategy.get_strategy() is strategy
+            assert jaxstrategy.has_strategy() and jaxstrategy.in_cross_replica_context()
+            assert jaxstrategy.get_replica_context() is None
+            created = jnp.zeros(3)
+        assert created.devices() == {strategy.devices[0]}
+        assert not jaxstrategy.has_strategy()
+
+    def test_scope_of_the_same_strategy_nests(self, strategy):
+        with strategy.scope(), strategy.scope():
+            assert jaxstrategy.get_strategy() is strategy
+
+    def test_scope_inside_run_is_an_error(self, strategy):
+        def step(x):
+            with strategy.scope():
+                return x
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"Enter the scope outside the function"):
+            strategy.run(step, args=(1,))
+
+    def test_a_new_thread_starts_outside_the_scope(self, strategy):
+        seen = []
+        with strategy.scope():
+            thread = threading.Thread(target=lambda: seen.append(jaxstrategy.has_strategy()))
+            thread.start()
+            thread.join(timeout=10)
+        assert seen == [False]
+
+    def test_scope_follows_asyncio_tasks(self, strategy):
+        async def current():
+            await asyncio.sleep(0)
+            return jaxstrategy.get_strategy()
+
+        async def main():
+            with strategy.scope():
+                inside = await asyncio.create_task(current())
+            outside = await asyncio.create_task(current())
+            return inside, outside
+
+        inside, outside = asyncio.run(main())
+        assert inside is strategy and outside is not strategy
+
+    # --- variables ---------------------------------------------------------------------------
+
+    def test_put_commits_every_leaf(self, strategy):
+        params = strategy.put({"w": np.ones((2, 3), np.float32), "b": 0.0, "step": np.int32(0)})
+        _assert_on_strategy(params, strategy)
+
+    def test_init_creates_outputs_on_the_strategy(self, strategy):
+        params = strategy.init(lambda key: {"w": jax.random.normal(key, (4, 4))}, jax.random.key(0))
+        _assert_on_strategy(params, strategy)
+
+    def test_extended_and_basic_attributes(self, strategy):
+        assert strategy.cluster_resolver is None
+        assert strategy.num_replicas_in_sync == len(strategy.devices)
+        extended = strategy.extended
+        assert len(extended.worker_devices) == strategy.num_replicas_in_sync
+        assert extended.parameter_devices == extended.worker_devices
+        assert all(
+            name.startswith("/job:localhost/replica:0/task:0/device:") for name in extended.worker_devices
+        )
+        assert (extended.should_checkpoint, extended.should_save_summary) == (True, True)
+        assert extended.experimental_between_graph is False

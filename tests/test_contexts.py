@@ -1,0 +1,76 @@
+"""Context functions outside and inside scopes, ValueContext and InputContext."""
+
+from __future__ import annotations
+
+import pytest
+
+import jaxstrategy
+from jaxstrategy import InputContext, OneDeviceStrategy, ValueContext
+
+
+def test_outside_every_scope():
+    assert jaxstrategy.has_strategy() is False
+    assert jaxstrategy.in_cross_replica_context() is False
+    default = jaxstrategy.get_strategy()
+    assert default == OneDeviceStrategy()
+    assert jaxstrategy.get_strategy() is default  # One default strategy, so its compiled steps are kept.
+    context = jaxstrategy.get_replica_context()
+    assert context.strategy is default
+    assert context.replica_id_in_sync_group == 0 and isinstance(context.replica_id_in_sync_group, int)
+    assert context.num_replicas_in_sync == 1
+
+
+def test_the_default_strategy_runs():
+    assert jaxstrategy.get_strategy().run(lambda x: x * 2, args=(4,)).tolist() == 8
+
+
+def test_value_context():
+    assert ValueContext() == ValueContext(replica_id_in_sync_group=0, num_replicas_in_sync=1)
+    context = ValueContext(1, 2)
+    assert (context.replica_id_in_sync_group, context.num_replicas_in_sync) == (1, 2)
+    assert not hasattr(context, "__dict__")  # slots, as in TensorFlow
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"replica_id_in_sync_group": 2, "num_replicas_in_sync": 2},
+            r"replica_id_in_sync_group=2\): expected an int in \[0, 2\)",
+        ),
+        ({"num_replicas_in_sync": 0}, r"num_replicas_in_sync=0\): expected an int >= 1"),
+    ],
+)
+def test_value_context_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ValueContext(**kwargs)
+
+
+def test_input_context_defaults_match_one_device():
+    context = InputContext()
+    assert (context.num_input_pipelines, context.input_pipeline_id, context.num_replicas_in_sync) == (1, 0, 1)
+    assert context.get_per_replica_batch_size(64) == 64
+    assert context.get_per_replica_batch_size(63) == 63
+
+
+def test_per_replica_batch_size_must_divide():
+    context = InputContext(num_replicas_in_sync=2)
+    assert context.get_per_replica_batch_size(64) == 32
+    with pytest.raises(
+        ValueError,
+        match=r"The `global_batch_size` 63 is not divisible by `num_replicas_in_sync` 2; use a multiple of 2",
+    ):
+        context.get_per_replica_batch_size(63)
+
+
+@pytest.mark.parametrize("size", [63.0, "64", True])
+def test_per_replica_batch_size_needs_an_int(size):
+    with pytest.raises(TypeError, match=r"get_per_replica_batch_size\(.*\): expected an int"):
+        InputContext().get_per_replica_batch_size(size)
+
+
+def test_input_context_errors():
+    with pytest.raises(ValueError, match=r"InputContext\(input_pipeline_id=1\): expected an int in \[0, 1\)"):
+        InputContext(input_pipeline_id=1)
+    with pytest.raises(ValueError, match=r"InputContext\(num_input_pipelines=0\): expected an int >= 1"):
+        InputContext(num_input_pipelines=0)

@@ -1,0 +1,93 @@
+"""The public names are a contract: any addition or removal must show up as a diff here."""
+
+from __future__ import annotations
+
+import inspect
+
+import jaxstrategy
+
+PUBLIC_NAMES = (
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "InvalidDeviceError",
+    "JaxStrategyError",
+    "OneDeviceStrategy",
+    "ReduceOp",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyContextError",
+    "ValueContext",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+)
+
+STRATEGY_METHODS = (
+    "cluster_resolver",
+    "device",
+    "devices",
+    "experimental_distribute_values_from_function",
+    "experimental_local_results",
+    "extended",
+    "gather",
+    "init",
+    "mesh",
+    "num_replicas_in_sync",
+    "put",
+    "reduce",
+    "run",
+    "scope",
+    "sharding",
+)
+
+
+def test_all_is_pinned():
+    assert jaxstrategy.__all__ == PUBLIC_NAMES
+    assert all(hasattr(jaxstrategy, name) for name in PUBLIC_NAMES)
+
+
+def test_strategy_surface_is_pinned():
+    public = tuple(sorted(name for name in dir(jaxstrategy.OneDeviceStrategy) if not name.startswith("_")))
+    assert public == STRATEGY_METHODS
+
+
+def test_tensorflow_signatures_are_kept():
+    def parameters(function):
+        return [(p.name, p.default) for p in inspect.signature(function).parameters.values()]
+
+    empty = inspect.Parameter.empty
+    strategy = jaxstrategy.OneDeviceStrategy
+    assert parameters(strategy.run) == [
+        ("self", empty),
+        ("fn", empty),
+        ("args", ()),
+        ("kwargs", None),
+        ("options", None),
+    ]
+    assert parameters(strategy.reduce) == [
+        ("self", empty),
+        ("reduce_op", empty),
+        ("value", empty),
+        ("axis", empty),
+    ]
+    assert parameters(strategy.gather) == [("self", empty), ("value", empty), ("axis", empty)]
+    assert parameters(strategy) == [("device", None), ("soft_placement", False)]
+
+
+def test_every_public_name_has_a_docstring_with_an_example():
+    for name in PUBLIC_NAMES:
+        obj = getattr(jaxstrategy, name)
+        if inspect.isclass(obj) and issubclass(obj, Exception):
+            assert obj.__doc__, name
+            continue
+        if name == "Strategy":
+            continue  # Abstract; documented through OneDeviceStrategy.
+        assert obj.__doc__ and ">>>" in obj.__doc__, f"{name} has no doctest example"
+    for method in STRATEGY_METHODS:
+        member = inspect.getattr_static(jaxstrategy.OneDeviceStrategy, method)
+        assert getattr(member, "__doc__", None), f"OneDeviceStrategy.{method} has no docstring"
+    for method in ("run", "reduce", "gather", "scope", "put", "init", "experimental_local_results"):
+        assert ">>>" in getattr(jaxstrategy.OneDeviceStrategy, method).__doc__, method
