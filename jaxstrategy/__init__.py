@@ -15,6 +15,10 @@ from jaxstrategy._src.contexts import in_cross_replica_context as in_cross_repli
 from jaxstrategy._src.errors import InvalidDeviceError as InvalidDeviceError
 from jaxstrategy._src.errors import JaxStrategyError as JaxStrategyError
 from jaxstrategy._src.errors import StrategyContextError as StrategyContextError
+from jaxstrategy._src.input_lib import DistributedDataset as DistributedDataset
+from jaxstrategy._src.input_lib import DistributedIterator as DistributedIterator
+from jaxstrategy._src.input_lib import OptionalBatch as OptionalBatch
+from jaxstrategy._src.input_lib import OutOfRangeError as OutOfRangeError
 from jaxstrategy._src.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.options import InputOptions as InputOptions
 from jaxstrategy._src.options import InputReplicationMode as InputReplicationMode
@@ -25,12 +29,16 @@ from jaxstrategy._src.strategy import Strategy as Strategy
 __version__ = "0.1.0"
 
 __all__ = (
+    "DistributedDataset",
+    "DistributedIterator",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "InvalidDeviceError",
     "JaxStrategyError",
     "OneDeviceStrategy",
+    "OptionalBatch",
+    "OutOfRangeError",
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",

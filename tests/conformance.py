@@ -323,6 +323,75 @@ class StrategyConformance:
         inside, outside = asyncio.run(main())
         assert inside is strategy and outside is not strategy
 
+    # --- distributed datasets ----------------------------------------------------------------
+
+    def test_distributed_dataset_is_re_iterable_and_on_the_strategy(self, strategy):
+        n = strategy.num_replicas_in_sync
+        batches = [np.arange(i, i + 2 * n) for i in range(0, 10 * n, 2 * n)]
+        dataset = strategy.experimental_distribute_dataset(batches)
+        for _ in range(2):
+            seen = []
+            for batch in dataset:
+                for local in strategy.experimental_local_results(batch):
+                    assert local.committed and local.devices() <= set(strategy.devices)
+                seen.append(
+                    np.concatenate([np.asarray(v) for v in strategy.experimental_local_results(batch)])
+                )
+            assert [s.tolist() for s in seen] == [b.tolist() for b in batches]
+
+    def test_get_next_past_the_end(self, strategy):
+        iterator = iter(strategy.experimental_distribute_dataset([np.zeros(strategy.num_replicas_in_sync)]))
+        iterator.get_next()
+        with pytest.raises(jaxstrategy.OutOfRangeError, match="End of sequence"):
+            iterator.get_next()
+        with pytest.raises(StopIteration):
+            next(iterator)
+
+    def test_get_next_as_optional(self, strategy):
+        iterator = iter(strategy.experimental_distribute_dataset([np.ones(strategy.num_replicas_in_sync)]))
+        optional = iterator.get_next_as_optional()
+        assert optional.has_value()
+        assert strategy.experimental_local_results(optional.get_value())[0].tolist()[0] == 1.0
+        empty = iterator.get_next_as_optional()
+        assert not empty.has_value()
+        with pytest.raises(ValueError, match=r"get_value\(\): this optional has no value"):
+            empty.get_value()
+
+    def test_fetch_to_device_false_yields_host_arrays(self, strategy):
+        options = jaxstrategy.InputOptions(experimental_fetch_to_device=False)
+        dataset = strategy.experimental_distribute_dataset(
+            [np.ones(2 * strategy.num_replicas_in_sync)], options
+        )
+        (batch,) = list(dataset)
+        assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(batch))
+
+    def test_per_replica_mode_is_rejected_for_experimental_distribute_dataset(self, strategy):
+        options = jaxstrategy.InputOptions(experimental_replication_mode="PER_REPLICA")
+        with pytest.raises(
+            NotImplementedError, match=r"PER_REPLICA is only supported in `distribute_datasets_from_function`"
+        ):
+            strategy.experimental_distribute_dataset([np.ones(2)], options)
+
+    def test_distribute_datasets_from_function_calls_it_once(self, strategy):
+        contexts = []
+
+        def dataset_fn(context):
+            contexts.append(context)
+            return [np.ones(context.get_per_replica_batch_size(4 * strategy.num_replicas_in_sync))] * 2
+
+        dataset = strategy.distribute_datasets_from_function(dataset_fn)
+        assert len(list(dataset)) == 2 and len(list(dataset)) == 2
+        assert contexts == [jaxstrategy.InputContext(1, 0, strategy.num_replicas_in_sync)]
+
+    def test_next_inside_run_is_an_error(self, strategy):
+        iterator = iter(strategy.experimental_distribute_dataset([np.ones(2)] * 3))
+
+        def step(x):
+            return next(iterator)
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"args=\(next\(iterator\),\)"):
+            strategy.run(step, args=(1,))
+
     # --- variables ---------------------------------------------------------------------------
 
     def test_put_commits_every_leaf(self, strategy):

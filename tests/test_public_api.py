@@ -7,12 +7,16 @@ import inspect
 import jaxstrategy
 
 PUBLIC_NAMES = (
+    "DistributedDataset",
+    "DistributedIterator",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "InvalidDeviceError",
     "JaxStrategyError",
     "OneDeviceStrategy",
+    "OptionalBatch",
+    "OutOfRangeError",
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
@@ -29,6 +33,8 @@ STRATEGY_METHODS = (
     "cluster_resolver",
     "device",
     "devices",
+    "distribute_datasets_from_function",
+    "experimental_distribute_dataset",
     "experimental_distribute_values_from_function",
     "experimental_local_results",
     "extended",
@@ -89,5 +95,16 @@ def test_every_public_name_has_a_docstring_with_an_example():
     for method in STRATEGY_METHODS:
         member = inspect.getattr_static(jaxstrategy.OneDeviceStrategy, method)
         assert getattr(member, "__doc__", None), f"OneDeviceStrategy.{method} has no docstring"
-    for method in ("run", "reduce", "gather", "scope", "put", "init", "experimental_local_results"):
+    for method in (
+        "run",
+        "reduce",
+        "gather",
+        "scope",
+        "put",
+        "init",
+        "experimental_local_results",
+        "experimental_distribute_dataset",
+        "distribute_datasets_from_function",
+        "experimental_distribute_values_from_function",
+    ):
         assert ">>>" in getattr(jaxstrategy.OneDeviceStrategy, method).__doc__, method

@@ -16,9 +16,10 @@ from typing import Any
 import jax
 
 from jaxstrategy._src import contexts
-from jaxstrategy._src.contexts import ValueContext
+from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
-from jaxstrategy._src.options import RunOptions
+from jaxstrategy._src.input_lib import DistributedDataset
+from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.step_cache import StepCache
 from jaxstrategy._src.tree_checks import is_array_like
@@ -259,6 +260,105 @@ class Strategy(abc.ABC):
             in_run_hint="Use jaxstrategy.get_replica_context().all_gather() inside run instead.",
         )
         return self._gather(value, axis)
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Wrap `dataset` so that its batches arrive on the device(s), prefetched in the background.
+
+        `dataset` is any iterable of batches, each a pytree of arrays: a list, a generator, numpy
+        arrays, a `tf.data.Dataset`, a torch `DataLoader` or a Grain loader (leaves with
+        `__array__` or `.numpy()`); none of those libraries is imported. Every `iter()` starts a
+        fresh pass with a background thread that keeps
+        `options.experimental_per_replica_buffer_size` batches (2 by default: double buffering)
+        placed ahead of the step. A partial last batch is kept. A one-shot source (a generator
+        object) allows one pass; a second is an error.
+
+        Args:
+          dataset: the source of batches.
+          options: an `InputOptions`; `experimental_fetch_to_device=False` yields host numpy arrays,
+            `experimental_per_replica_buffer_size=0` turns the background thread off.
+
+        Returns:
+          A `DistributedDataset`.
+
+        Raises:
+          TypeError: `dataset` is not iterable, or `options` is not an `InputOptions`.
+          NotImplementedError: `InputReplicationMode.PER_REPLICA`, as in TensorFlow.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> dist_dataset = strategy.experimental_distribute_dataset(np.arange(10).reshape(5, 2))
+          >>> for x in dist_dataset:
+          ...     print(x.tolist(), x.committed)
+          [0, 1] True
+          [2, 3] True
+          [4, 5] True
+          [6, 7] True
+          [8, 9] True
+        """
+        caller = f"{type(self).__name__}.experimental_distribute_dataset()"
+        options = self._check_input_options(options, caller)
+        contexts.require_cross_replica_context(
+            self, caller, in_run_hint="Distribute the dataset outside run()."
+        )
+        return DistributedDataset(dataset, sharding=self.sharding, options=options, caller=caller)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Call `dataset_fn` once per input pipeline with its `InputContext`; distribute the result.
+
+        With one process there is one pipeline: `dataset_fn` is called once, with
+        `InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=...)`, and
+        its batches (the per-replica batches; they are not split) are prefetched as by
+        `experimental_distribute_dataset`.
+
+        Raises:
+          TypeError: `dataset_fn` is not callable or returns something that is not iterable.
+          NotImplementedError: `InputReplicationMode.PER_REPLICA` on a one-replica strategy.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> def dataset_fn(input_context):
+          ...     batch_size = input_context.get_per_replica_batch_size(4)
+          ...     return [np.ones(batch_size)] * 3
+          >>> inputs = strategy.distribute_datasets_from_function(dataset_fn)
+          >>> [batch.shape for batch in inputs]
+          [(4,), (4,), (4,)]
+        """
+        caller = f"{type(self).__name__}.distribute_datasets_from_function()"
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"{caller}: dataset_fn must be a function of an InputContext returning the dataset; "
+                f"got {type(dataset_fn).__name__}. To distribute a dataset itself, use "
+                "experimental_distribute_dataset."
+            )
+        options = self._check_input_options(options, caller)
+        contexts.require_cross_replica_context(
+            self, caller, in_run_hint="Distribute the dataset outside run()."
+        )
+        context = InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=self.num_replicas_in_sync
+        )
+        return DistributedDataset(dataset_fn(context), sharding=self.sharding, options=options, caller=caller)
+
+    def _check_input_options(self, options: InputOptions | None, caller: str) -> InputOptions:
+        if options is None:
+            return InputOptions()
+        if not isinstance(options, InputOptions):
+            raise TypeError(f"{caller}: options must be a jaxstrategy.InputOptions; got {options!r}.")
+        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError(
+                f"{caller}: InputReplicationMode.PER_REPLICA is only supported in "
+                "`distribute_datasets_from_function` of a strategy with several replicas; use "
+                "PER_WORKER (the default)."
+            )
+        return options
 
     def put(self, tree: PyTree) -> PyTree:
         """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.

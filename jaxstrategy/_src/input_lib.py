@@ -1,0 +1,347 @@
+"""Distributed datasets: any host iterable of batches, prefetched onto a strategy's device(s).
+
+`DistributedDataset` wraps a source; each `iter()` starts a fresh pass: a `DistributedIterator`
+whose `PrefetchIterator` reads the source in a background thread and places each batch with the
+`put` it is given. Sources are read through `host_passes`, which knows lists, iterables,
+`tf.data.Dataset` (through `as_numpy_iterator`), torch `DataLoader` and Grain loaders without
+importing any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxstrategy._src import contexts
+from jaxstrategy._src.errors import (
+    JaxStrategyError,
+    StrategyContextError,
+    bullet_list,
+    caller_stacklevel,
+    format_path,
+)
+from jaxstrategy._src.options import InputOptions
+from jaxstrategy._src.prefetch import PrefetchIterator
+from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.types import PyTree
+
+# TensorFlow's cardinality constants (tf.data.INFINITE_CARDINALITY, tf.data.UNKNOWN_CARDINALITY).
+INFINITE_CARDINALITY = -1
+UNKNOWN_CARDINALITY = -2
+
+
+class OutOfRangeError(JaxStrategyError):
+    """`DistributedIterator.get_next()` was called after the last element."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Signature:
+    """The structure, shapes and dtypes of a batch: what decides whether a step recompiles."""
+
+    treedef: Any
+    shapes_and_dtypes: tuple[tuple[tuple[int, ...], np.dtype], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """A placed batch and its signature (computed in the producer thread, off the hot path)."""
+
+    value: PyTree
+    signature: _Signature
+
+
+class BatchPlacer:
+    """Turns a host batch into arrays on `sharding` (or host numpy arrays when `sharding` is None).
+
+    Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
+    TensorFlow tensors included). A writeable numpy array is copied before it is handed to
+    `jax.device_put`: on CPU JAX may share its memory, and on accelerators the transfer may still
+    be reading it, so a source that refills one buffer for every batch would otherwise change
+    batches already delivered. Read-only arrays and jax arrays are not copied.
+    """
+
+    def __init__(self, sharding: jax.sharding.Sharding | None):
+        self._sharding = sharding
+
+    def __call__(self, element: PyTree) -> _Batch:
+        leaves, treedef = jax.tree.flatten(element)
+        host = [_to_host_array(leaf) for leaf in leaves]
+        bad = [i for i, leaf in enumerate(host) if leaf is None]
+        if bad:
+            raise TypeError(_describe_bad_leaves(element, bad))
+        private = [_private_copy(leaf) for leaf in host]
+        placed = private if self._sharding is None else jax.device_put(private, self._sharding)
+        signature = _Signature(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
+        return _Batch(jax.tree.unflatten(treedef, placed), signature)
+
+
+def _to_host_array(leaf: Any) -> Any:
+    """The leaf as an array JAX accepts, or None when it cannot be one."""
+    if is_array_like(leaf):
+        return leaf
+    if hasattr(leaf, "__array__"):
+        array = np.asarray(leaf)
+    elif callable(getattr(leaf, "numpy", None)):
+        array = np.asarray(leaf.numpy())
+    else:
+        return None
+    return array if is_array_like(array) else None
+
+
+def _dtype_of(leaf: Any) -> np.dtype:
+    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+
+
+def _private_copy(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
+        return leaf.copy()
+    return leaf
+
+
+def _describe_bad_leaves(element: PyTree, positions: list[int]) -> str:
+    paths = jax.tree_util.tree_flatten_with_path(element)[0]
+    lines = [f"{format_path('batch', paths[i][0])} is a {type(paths[i][1]).__name__}" for i in positions]
+    return (
+        "Every leaf of a dataset element must be a numeric array (numpy, jax, or anything with "
+        f"__array__ or .numpy()), but:{bullet_list(lines)}\nDrop those fields before distributing the "
+        "dataset, or encode them as numbers."
+    )
+
+
+def host_passes(dataset: Any, *, caller: str) -> tuple[Callable[[], Iterator[Any]], bool]:
+    """Return a function that starts a new pass over `dataset`, and whether it is one-shot.
+
+    Raises:
+      TypeError: `dataset` is not iterable.
+    """
+    as_numpy = getattr(dataset, "as_numpy_iterator", None)
+    if callable(as_numpy):  # tf.data.Dataset: its elements as numpy, without importing TensorFlow.
+        return as_numpy, False
+    if isinstance(dataset, Iterator):  # A generator object or another one-shot iterator.
+        return (lambda: dataset), True
+    if isinstance(dataset, Iterable) or hasattr(dataset, "__getitem__"):
+        return (lambda: iter(dataset)), False
+    raise TypeError(
+        f"{caller}: the dataset must be an iterable of batches (a list, a generator, a tf.data "
+        f"Dataset, a torch DataLoader, ...); got {type(dataset).__name__}."
+    )
+
+
+def cardinality_of(dataset: Any) -> int:
+    """The number of elements `dataset` will yield, or TensorFlow's INFINITE/UNKNOWN constants."""
+    tf_cardinality = getattr(dataset, "cardinality", None)
+    if callable(tf_cardinality):
+        return int(tf_cardinality())
+    try:
+        return len(dataset)
+    except TypeError:
+        return UNKNOWN_CARDINALITY
+
+
+class DistributedDataset:
+    """A dataset whose batches arrive on the strategy's device(s), prefetched in the background.
+
+    Made by `Strategy.experimental_distribute_dataset` or `distribute_datasets_from_function`.
+    Every `iter()` starts a fresh pass over the source with its own background thread. A one-shot
+    source (a generator object) allows a single pass; a second is an error, never an empty loop.
+
+    Example:
+      >>> import numpy as np, jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy()
+      >>> batches = [np.arange(i, i + 2) for i in range(0, 10, 2)]
+      >>> dataset = strategy.experimental_distribute_dataset(batches)
+      >>> [x.tolist() for x in dataset][:2], len(dataset)
+      ([[0, 1], [2, 3]], 5)
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        sharding: jax.sharding.Sharding,
+        options: InputOptions,
+        caller: str,
+    ):
+        self._start_pass, self._one_shot = host_passes(source, caller=caller)
+        self._cardinality = cardinality_of(source)
+        self._sharding = sharding
+        self._options = options
+        self._placer = BatchPlacer(sharding if options.experimental_fetch_to_device else None)
+        self._passes_started = 0
+        self._next_pass: DistributedIterator | None = None
+        self._element_spec: PyTree | None = None
+        self.warned_about_shapes = False
+
+    def __iter__(self) -> DistributedIterator:
+        if self._next_pass is not None:
+            iterator, self._next_pass = self._next_pass, None
+            return iterator
+        if self._one_shot and self._passes_started:
+            raise RuntimeError(
+                "This distributed dataset was made from a one-shot iterator (such as a generator "
+                "object), which was used up by its first pass. Distribute a re-iterable source "
+                "instead: a list, a tf.data Dataset, or an object whose __iter__ starts a new pass."
+            )
+        self._passes_started += 1
+        prefetch = PrefetchIterator(
+            self._start_pass(), self._placer, self._options.experimental_per_replica_buffer_size
+        )
+        return DistributedIterator(self, prefetch)
+
+    def __len__(self) -> int:
+        if self._cardinality < 0:
+            raise TypeError(
+                "This distributed dataset has no len(): its source does not know how many batches "
+                f"it holds (cardinality {self._cardinality}). Count them, or use `cardinality`."
+            )
+        return self._cardinality
+
+    @property
+    def cardinality(self) -> int:
+        """The number of batches, or -1 (infinite) or -2 (unknown), as in `tf.data`."""
+        return self._cardinality
+
+    @property
+    def element_spec(self) -> PyTree:
+        """The first batch's structure: a pytree of `jax.ShapeDtypeStruct` with the sharding.
+
+        Reading it before iterating reads one batch early; that pass is then the next `iter()`.
+        """
+        if self._element_spec is None:
+            self._next_pass = iter(self)
+            self._next_pass.element_spec  # noqa: B018  Sets self._element_spec as a side effect.
+        return self._element_spec
+
+    def _record_spec(self, batch: _Batch) -> None:
+        if self._element_spec is None:
+            sharding = self._sharding if self._options.experimental_fetch_to_device else None
+            self._element_spec = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=sharding), batch.value
+            )
+
+
+class DistributedIterator:
+    """One pass over a `DistributedDataset`, prefetching in a background thread.
+
+    Iterate it, or call `get_next()` (which raises `OutOfRangeError` at the end, where `next()`
+    raises StopIteration) or `get_next_as_optional()`. `close()` (or leaving a `with` block, or
+    dropping the iterator) stops the thread.
+
+    Example:
+      >>> import numpy as np, jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy()
+      >>> dataset = strategy.experimental_distribute_dataset([np.zeros(2), np.ones(2)])
+      >>> with iter(dataset) as iterator:
+      ...     first = iterator.get_next()
+      ...     rest = iterator.get_next_as_optional()
+      ...     end = iterator.get_next_as_optional()
+      >>> first.tolist(), rest.has_value(), rest.get_value().tolist(), end.has_value()
+      ([0.0, 0.0], True, [1.0, 1.0], False)
+    """
+
+    def __init__(self, dataset: DistributedDataset, prefetch: PrefetchIterator[_Batch]):
+        self._dataset = dataset
+        self._prefetch = prefetch
+        self._first_signature: _Signature | None = None
+        self._previous_differs = False
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> PyTree:
+        if contexts.STATE.get().replica_context is not None:
+            raise StrategyContextError(
+                "next(iterator) should be called outside the function given to run(), e.g. "
+                "strategy.run(step_fn, args=(next(iterator),))."
+            )
+        batch = next(self._prefetch)
+        self._check_shapes(batch)
+        return batch.value
+
+    def get_next(self) -> PyTree:
+        """Return the next batch; raise `OutOfRangeError` after the last one."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError(
+                "End of sequence: the distributed dataset has no more batches. Start a new pass "
+                "with iter(dataset), or use get_next_as_optional()."
+            ) from None
+
+    def get_next_as_optional(self) -> OptionalBatch:
+        """Return an `OptionalBatch`: the next batch, or none after the last one."""
+        try:
+            return OptionalBatch(next(self), has_value=True)
+        except StopIteration:
+            return OptionalBatch(None, has_value=False)
+
+    @property
+    def element_spec(self) -> PyTree:
+        """The dataset's batch structure: a pytree of `jax.ShapeDtypeStruct` with the sharding."""
+        if self._dataset._element_spec is None:
+            self._dataset._record_spec(self._prefetch.peek())
+        return self._dataset._element_spec
+
+    def close(self) -> None:
+        """Stop the background thread and drop the batches it prefetched."""
+        self._prefetch.close()
+
+    def __enter__(self) -> DistributedIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_shapes(self, batch: _Batch) -> None:
+        # A new shape recompiles the step. A different last batch (a partial one) costs one compile
+        # and is normal, so only a changed batch followed by more batches is worth a warning.
+        if self._first_signature is None:
+            self._first_signature = batch.signature
+            self._dataset._record_spec(batch)
+            return
+        if self._previous_differs and not self._dataset.warned_about_shapes:
+            self._dataset.warned_about_shapes = True
+            warnings.warn(
+                "The batches of this distributed dataset change shape or dtype mid-stream "
+                f"(first: {_describe(self._first_signature)}). Each new shape compiles the step "
+                "function anew. Pad or bucket batches to a few fixed shapes.",
+                stacklevel=caller_stacklevel(),
+            )
+        self._previous_differs = batch.signature != self._first_signature
+
+
+def _describe(signature: _Signature) -> str:
+    return ", ".join(f"{dtype.name}{list(shape)}" for shape, dtype in signature.shapes_and_dtypes)
+
+
+class OptionalBatch:
+    """What `get_next_as_optional()` returns: a batch, or nothing after the last one.
+
+    Example:
+      >>> import numpy as np, jaxstrategy
+      >>> iterator = iter(jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset([np.ones(1)]))
+      >>> [iterator.get_next_as_optional().has_value() for _ in range(2)]
+      [True, False]
+    """
+
+    def __init__(self, value: PyTree, *, has_value: bool):
+        self._value = value
+        self._has_value = has_value
+
+    def has_value(self) -> bool:
+        """Whether there is a batch."""
+        return self._has_value
+
+    def get_value(self) -> PyTree:
+        """Return the batch; raise ValueError when there is none."""
+        if not self._has_value:
+            raise ValueError(
+                "get_value(): this optional has no value (the iterator reached the end); "
+                "check has_value() first."
+            )
+        return self._value

@@ -1,0 +1,194 @@
+"""A host-to-device prefetch iterator: a background thread keeps `buffer_size` elements placed ahead.
+
+Two placed batches in flight (double buffering) let the transfer of batch k+1 overlap the step on
+batch k, so the consumer never waits on a transfer it could have overlapped. The iterator knows no
+strategy: it is given a `put` function that turns a host element into whatever the consumer
+should receive.
+
+Lifetime rules, each one tested:
+- the thread ends when the source ends or raises, when `close()` is called, or when the iterator
+  is garbage-collected (so breaking out of a `for` loop ends it); the thread holds no reference to
+  the iterator, only to a small channel the two share;
+- an exception from the source or from `put` is re-raised in the consumer at the element it
+  belongs to, as the same object with its original traceback;
+- at most `buffer_size` elements are placed and not yet taken (a semaphore counts them), so with
+  the consumer's current one at most `buffer_size + 1` are alive;
+- every wait has a way out: the producer is woken by `close()`, the consumer re-checks that the
+  producer is still alive.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+# How often a consumer waiting for the next element checks that the producer thread is alive.
+_LIVENESS_POLL_S = 1.0
+
+
+class _End:
+    """Put in the queue after the source's last element."""
+
+
+class _Failure:
+    """Put in the queue when the source or `put` raised; carries the exception."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Channel:
+    """What the producer thread and the consumer share. It never refers to the iterator."""
+
+    def __init__(self, buffer_size: int):
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.free_slots = threading.Semaphore(buffer_size)
+        self.stopped = threading.Event()
+        self.buffer_size = buffer_size
+
+    def stop(self) -> None:
+        """Ask the producer to end, wake it if it waits for a slot, and drop what it placed."""
+        self.stopped.set()
+        for _ in range(self.buffer_size):
+            self.free_slots.release()
+        while True:
+            try:
+                self.items.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _produce(source: Iterator[Any], put: Callable[[Any], Any], channel: _Channel) -> None:
+    try:
+        while True:
+            channel.free_slots.acquire()
+            if channel.stopped.is_set():
+                return
+            try:
+                element = next(source)
+            except StopIteration:
+                channel.items.put(_End())
+                return
+            channel.items.put(put(element))
+    except BaseException as error:  # noqa: B036  Everything reaches the consumer, even KeyboardInterrupt.
+        channel.items.put(_Failure(error))
+    finally:
+        close = getattr(source, "close", None)
+        if callable(close) and channel.stopped.is_set():
+            close()  # Ends a generator source early, running its finally blocks in this thread.
+
+
+class PrefetchIterator(Generic[T]):
+    """Iterate over `put(element)` for each element of `source`, `buffer_size` elements ahead.
+
+    Args:
+      source: an iterator of host elements. It is read only by the producer thread (or, with
+        `buffer_size=0`, by the consumer).
+      put: turns a host element into what `__next__` returns, such as arrays on a device. It
+        runs in the producer thread.
+      buffer_size: how many elements to keep placed ahead; 0 means no thread: each element is
+        read and placed when asked for.
+      name: the producer thread's name, for debuggers and thread dumps.
+
+    Example:
+      >>> iterator = PrefetchIterator(iter([1, 2, 3]), put=lambda x: x * 10, buffer_size=2)
+      >>> list(iterator)
+      [10, 20, 30]
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        put: Callable[[Any], T],
+        buffer_size: int,
+        *,
+        name: str = "jaxstrategy-prefetch",
+    ):
+        self._lookahead: list[T] = []
+        self._finished = False
+        if buffer_size == 0:
+            self._source: Iterator[Any] | None = source
+            self._put = put
+            self._channel: _Channel | None = None
+            self._thread: threading.Thread | None = None
+            return
+        self._source = None
+        self._channel = _Channel(buffer_size)
+        self._thread = threading.Thread(
+            target=_produce, args=(source, put, self._channel), name=name, daemon=True
+        )
+        self._thread.start()
+        # Garbage collection of the iterator stops the thread; the finalizer refers to the channel only.
+        self._finalizer = weakref.finalize(self, self._channel.stop)
+
+    def __iter__(self) -> PrefetchIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._lookahead:
+            return self._lookahead.pop()
+        if self._finished:
+            raise StopIteration
+        try:
+            return self._take()
+        except BaseException:
+            self.close()
+            raise
+
+    def peek(self) -> T:
+        """Return the next element without consuming it; StopIteration at the end."""
+        if not self._lookahead:
+            self._lookahead.append(next(self))
+        return self._lookahead[0]
+
+    def close(self) -> None:
+        """Stop the producer thread and drop the elements it placed ahead. Safe to call twice."""
+        self._finished = True
+        self._lookahead.clear()
+        if self._channel is not None:
+            self._finalizer()
+        elif self._source is not None:
+            close = getattr(self._source, "close", None)
+            if callable(close):
+                close()
+            self._source = None
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The producer thread, or None with `buffer_size=0`."""
+        return self._thread
+
+    def _take(self) -> T:
+        if self._channel is None:
+            assert self._source is not None
+            try:
+                element = next(self._source)
+            except StopIteration:
+                self._finished = True
+                raise
+            return self._put(element)
+        item = self._wait_for_item(self._channel)
+        self._channel.free_slots.release()
+        if isinstance(item, _End):
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._finished = True
+            raise item.error
+        return item
+
+    def _wait_for_item(self, channel: _Channel) -> Any:
+        while True:
+            try:
+                return channel.items.get(timeout=_LIVENESS_POLL_S)
+            except queue.Empty:
+                if self._thread is not None and not self._thread.is_alive() and channel.items.empty():
+                    raise RuntimeError(
+                        "The input thread ended without delivering an element or an error; the "
+                        "process may be shutting down."
+                    ) from None

@@ -1,0 +1,304 @@
+"""Distributed datasets on one device: sources, safety, element_spec, warnings and errors."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstrategy
+from jaxstrategy import InputOptions, OneDeviceStrategy
+
+THREAD_END_TIMEOUT_S = 5.0
+
+
+def _wait_for_prefetch_threads_to_end(before):
+    for thread in set(threading.enumerate()) - before:
+        if thread.name == "jaxstrategy-prefetch":
+            thread.join(timeout=THREAD_END_TIMEOUT_S)
+            assert not thread.is_alive(), "a prefetch thread did not end"
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+def test_spec_example_range_batched(strategy_cpu1):
+    batches = np.arange(10).reshape(5, 2)
+    dist_dataset = strategy_cpu1.experimental_distribute_dataset(batches)
+    out = [x for x in dist_dataset]
+    assert [x.tolist() for x in out] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert all(x.devices() == {strategy_cpu1.device} and x.committed for x in out)
+
+
+def test_partial_last_batch_is_kept_and_structures_are_preserved(strategy_cpu1):
+    source = [{"x": np.arange(i, min(i + 2, 9)), "y": (np.float32(i),)} for i in range(0, 9, 2)]
+    out = list(strategy_cpu1.experimental_distribute_dataset(source))
+    assert out[-1]["x"].tolist() == [8]
+    assert jax.tree.structure(out[0]) == jax.tree.structure(source[0])
+
+
+def test_empty_source_gives_no_steps():
+    assert list(OneDeviceStrategy().experimental_distribute_dataset([])) == []
+
+
+def test_len_and_cardinality_when_the_source_knows():
+    dataset = OneDeviceStrategy().experimental_distribute_dataset([np.ones(2)] * 3)
+    assert (len(dataset), dataset.cardinality) == (3, 3)
+
+
+def test_no_len_when_the_source_does_not_know():
+    dataset = OneDeviceStrategy().experimental_distribute_dataset(_Reiterable(3))
+    assert dataset.cardinality == -2
+    with pytest.raises(TypeError, match=r"has no len\(\): its source does not know how many batches"):
+        len(dataset)
+
+
+class _Reiterable:
+    """A source whose __iter__ starts a new pass (like a torch DataLoader), with no len()."""
+
+    def __init__(self, n):
+        self.n = n
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return (np.full(2, i, np.float32) for i in range(self.n))
+
+
+def test_a_reiterable_source_starts_a_fresh_pass_per_iter():
+    source = _Reiterable(3)
+    dataset = OneDeviceStrategy().experimental_distribute_dataset(source)
+    assert [x.tolist() for x in dataset] == [[0, 0], [1, 1], [2, 2]]
+    assert [x.tolist() for x in dataset] == [[0, 0], [1, 1], [2, 2]]
+    assert source.passes == 2
+
+
+def test_a_generator_object_allows_one_pass_and_a_second_is_an_error():
+    dataset = OneDeviceStrategy().experimental_distribute_dataset(np.ones(2) * i for i in range(3))
+    assert len(list(dataset)) == 3
+    with pytest.raises(RuntimeError, match=r"one-shot iterator .* used up by its first pass"):
+        iter(dataset)
+
+
+class _FakeTensor:
+    """A tensor of another framework: convertible only through .numpy() (like tf.Tensor, torch)."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def numpy(self):
+        return self._array
+
+
+class _FakeTfDataset:
+    """The two parts of tf.data.Dataset that jaxstrategy uses, without TensorFlow."""
+
+    def as_numpy_iterator(self):
+        return iter([{"x": np.zeros(2)}, {"x": np.ones(2)}])
+
+    def cardinality(self):
+        return np.int64(2)
+
+    def __iter__(self):
+        raise AssertionError("tf.data datasets are read through as_numpy_iterator")
+
+
+def test_tf_data_like_sources_are_read_as_numpy():
+    dataset = OneDeviceStrategy().experimental_distribute_dataset(_FakeTfDataset())
+    assert [b["x"].tolist() for b in dataset] == [[0.0, 0.0], [1.0, 1.0]]
+    assert len(dataset) == 2
+
+
+def test_leaves_with_numpy_or_array_methods_are_converted():
+    class WithArray:
+        def __array__(self, dtype=None, copy=None):
+            return np.full(3, 5.0, np.float32)
+
+    source = [(_FakeTensor(np.ones(2, np.int32)), WithArray())]
+    ((a, b),) = list(OneDeviceStrategy().experimental_distribute_dataset(source))
+    assert (a.tolist(), b.tolist()) == ([1, 1], [5.0, 5.0, 5.0])
+
+
+def test_non_numeric_leaves_are_an_error_at_their_step():
+    source = [{"x": np.ones(2), "name": "ok"}]
+    iterator = iter(OneDeviceStrategy().experimental_distribute_dataset(source))
+    with pytest.raises(TypeError, match=r"must be a numeric array .* but:\n  batch\['name'\] is a str"):
+        next(iterator)
+
+
+def test_a_non_iterable_dataset_is_an_error():
+    with pytest.raises(
+        TypeError,
+        match=r"experimental_distribute_dataset\(\): the dataset must be an iterable of batches .* got int",
+    ):
+        OneDeviceStrategy().experimental_distribute_dataset(3)
+
+
+def test_dataset_fn_errors():
+    strategy = OneDeviceStrategy()
+    with pytest.raises(TypeError, match=r"dataset_fn must be a function of an InputContext .* got list"):
+        strategy.distribute_datasets_from_function([np.ones(2)])
+    with pytest.raises(TypeError, match=r"the dataset must be an iterable of batches .* got NoneType"):
+        strategy.distribute_datasets_from_function(lambda context: None)
+    with pytest.raises(NotImplementedError, match=r"PER_REPLICA is only supported"):
+        strategy.distribute_datasets_from_function(
+            lambda c: [], InputOptions(experimental_replication_mode="PER_REPLICA")
+        )
+
+
+def test_options_of_the_wrong_type():
+    with pytest.raises(TypeError, match=r"options must be a jaxstrategy.InputOptions; got \{\}"):
+        OneDeviceStrategy().experimental_distribute_dataset([], options={})
+
+
+# --- safety ------------------------------------------------------------------------------------
+
+
+def _refilling_source(n, size=4096):
+    """Yields one buffer, refilled for every batch, as a reader with a reused buffer would."""
+    buffer = np.empty(size, np.float32)  # Aligned: JAX would alias it on CPU.
+    for i in range(n):
+        buffer[:] = i
+        yield buffer
+
+
+@pytest.mark.parametrize("buffer_size", [0, 1, 2, 4])
+def test_a_source_that_refills_one_buffer_still_yields_correct_batches(buffer_size):
+    options = InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    dataset = OneDeviceStrategy("/cpu:1").experimental_distribute_dataset(_refilling_source(20), options)
+    kept = list(dataset)  # Keep every batch alive while the source keeps writing its buffer.
+    assert [float(x[0]) for x in kept] == [float(i) for i in range(20)]
+    assert all(float(x.min()) == float(x.max()) for x in kept)
+
+
+def test_host_batches_are_private_copies_too():
+    options = InputOptions(experimental_fetch_to_device=False)
+    kept = list(OneDeviceStrategy().experimental_distribute_dataset(_refilling_source(5), options))
+    assert [float(x[0]) for x in kept] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_read_only_arrays_are_not_copied():
+    frozen = np.ones(8, np.float32)
+    frozen.flags.writeable = False
+    options = InputOptions(experimental_fetch_to_device=False)
+    (batch,) = list(OneDeviceStrategy().experimental_distribute_dataset([frozen], options))
+    assert batch is frozen
+
+
+def test_a_source_error_reaches_the_consumer_at_its_step():
+    def source():
+        yield np.ones(2)
+        raise OSError("disk gone")
+
+    iterator = iter(OneDeviceStrategy().experimental_distribute_dataset(source()))
+    assert next(iterator).tolist() == [1.0, 1.0]
+    with pytest.raises(OSError, match="disk gone"):
+        next(iterator)
+
+
+def test_a_thousand_abandoned_passes_leave_no_thread_and_no_device_arrays():
+    before_threads = set(threading.enumerate())
+    dataset = OneDeviceStrategy("/cpu:1").experimental_distribute_dataset(_Reiterable(50))
+    list(dataset)  # Warm-up: compiles nothing, but creates JAX's own lasting arrays, if any.
+    gc.collect()
+    before_arrays = len(jax.live_arrays())
+    for _ in range(1000):
+        iterator = iter(dataset)
+        next(iterator)
+        del iterator  # Abandoned mid-pass, as by a `break`.
+    gc.collect()
+    _wait_for_prefetch_threads_to_end(before_threads)
+    gc.collect()
+    assert len(jax.live_arrays()) <= before_arrays
+
+
+def test_at_most_buffer_size_plus_one_batches_are_alive_on_the_device():
+    shape = (17, 3)  # A shape nothing else in the process uses.
+    options = InputOptions(experimental_per_replica_buffer_size=2)
+    source = (np.full(shape, i, np.float32) for i in range(10))
+    most = 0
+    for batch in OneDeviceStrategy("/cpu:1").experimental_distribute_dataset(source, options):
+        time.sleep(0.05)  # A slow step: the producer fills its buffer meanwhile.
+        alive = sum(1 for a in jax.live_arrays() if a.shape == shape)
+        most = max(most, alive)
+        del batch
+    assert most == 3
+
+
+def test_shape_changes_mid_stream_warn_once_but_a_partial_last_batch_does_not():
+    strategy = OneDeviceStrategy()
+    partial_last = [np.ones(4), np.ones(4), np.ones(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(strategy.experimental_distribute_dataset(partial_last))
+    changing = strategy.experimental_distribute_dataset([np.ones(4), np.ones(5), np.ones(6), np.ones(7)])
+    with pytest.warns(
+        UserWarning,
+        match=r"change shape or dtype mid-stream \(first: float32\[4\]\)\. Each new shape compiles",
+    ) as record:
+        list(changing)
+        list(changing)  # Once per dataset, not per pass.
+    assert len(record) == 1
+
+
+# --- iterator API ------------------------------------------------------------------------------
+
+
+def test_element_spec_before_iterating_reuses_the_peeked_pass():
+    strategy = OneDeviceStrategy("/cpu:1")
+    dataset = strategy.experimental_distribute_dataset({"x": np.ones((2, 3), np.float32)} for _ in range(2))
+    spec = dataset.element_spec
+    assert spec["x"] == jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=strategy.sharding)
+    assert len(list(dataset)) == 2, "the one-shot source's only pass was kept for the first iter()"
+
+
+def test_iterator_element_spec_and_context_manager():
+    with iter(OneDeviceStrategy().experimental_distribute_dataset([np.zeros((1, 2), np.int32)])) as iterator:
+        assert iterator.element_spec.shape == (1, 2) and iterator.element_spec.dtype == jnp.int32
+        assert next(iterator).shape == (1, 2)
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_close_ends_the_thread():
+    before = set(threading.enumerate())
+    iterator = iter(OneDeviceStrategy().experimental_distribute_dataset(_Reiterable(10**6)))
+    next(iterator)
+    iterator.close()
+    _wait_for_prefetch_threads_to_end(before)
+
+
+def test_buffer_size_zero_places_on_demand_without_a_thread():
+    before = threading.active_count()
+    options = InputOptions(experimental_per_replica_buffer_size=0)
+    iterator = iter(OneDeviceStrategy().experimental_distribute_dataset([np.ones(2)], options))
+    assert threading.active_count() == before
+    assert next(iterator).committed
+
+
+def test_a_training_loop_over_a_distributed_dataset():
+    strategy = OneDeviceStrategy("/cpu:1")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = x @ np.array([1.0, -2.0, 0.5], np.float32)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    w = strategy.put(np.zeros(3, np.float32))
+
+    def step(w, batch):
+        xb, yb = batch
+        grad = jax.grad(lambda w: jnp.mean((xb @ w - yb) ** 2))(w)
+        return w - 0.1 * grad
+
+    dataset = strategy.experimental_distribute_dataset(batches)
+    for _ in range(50):
+        for batch in dataset:
+            w = strategy.run(step, args=(w, batch))
+    np.testing.assert_allclose(w, [1.0, -2.0, 0.5], atol=1e-3)
+    assert w.devices() == {strategy.device}
+    assert isinstance(dataset, jaxstrategy.DistributedDataset)

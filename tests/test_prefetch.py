@@ -1,0 +1,160 @@
+"""The prefetch iterator's lifetime rules: every thread ends, errors arrive on time, memory is bounded."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import traceback
+
+import pytest
+
+from jaxstrategy._src.prefetch import PrefetchIterator
+
+THREAD_END_TIMEOUT_S = 5.0
+
+
+def _wait_until_ended(thread: threading.Thread) -> None:
+    thread.join(timeout=THREAD_END_TIMEOUT_S)
+    assert not thread.is_alive(), "the prefetch thread did not end"
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "jaxstrategy-prefetch"]
+
+
+def test_yields_put_of_every_element_in_order():
+    assert list(PrefetchIterator(iter(range(100)), put=lambda x: -x, buffer_size=2)) == [
+        -x for x in range(100)
+    ]
+
+
+def test_buffer_size_zero_uses_no_thread():
+    before = threading.active_count()
+    iterator = PrefetchIterator(iter([1, 2]), put=str, buffer_size=0)
+    assert iterator.thread is None and threading.active_count() == before
+    assert list(iterator) == ["1", "2"]
+
+
+@pytest.mark.parametrize("buffer_size", [0, 1, 2])
+def test_a_source_error_arrives_at_its_step_with_its_traceback(buffer_size):
+    def source():
+        yield 1
+        yield 2
+        raise KeyError("record 3 is corrupt")
+
+    iterator = PrefetchIterator(source(), put=lambda x: x, buffer_size=buffer_size)
+    assert next(iterator) == 1
+    assert next(iterator) == 2
+    with pytest.raises(KeyError, match="record 3 is corrupt") as info:
+        next(iterator)
+    assert "in source" in "".join(traceback.format_tb(info.value.__traceback__))
+    with pytest.raises(StopIteration):
+        next(iterator)  # The pass is over after an error.
+
+
+def test_an_error_from_put_arrives_too():
+    def put(x):
+        if x == 1:
+            raise ValueError("cannot place element 1")
+        return x
+
+    iterator = PrefetchIterator(iter([0, 1, 2]), put=put, buffer_size=2)
+    assert next(iterator) == 0
+    with pytest.raises(ValueError, match="cannot place element 1"):
+        next(iterator)
+
+
+def test_the_thread_ends_with_the_source():
+    iterator = PrefetchIterator(iter([1, 2, 3]), put=lambda x: x, buffer_size=2)
+    assert list(iterator) == [1, 2, 3]
+    _wait_until_ended(iterator.thread)
+
+
+def test_close_ends_the_thread_and_runs_the_generators_finally_block():
+    cleaned_up = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            cleaned_up.set()
+
+    iterator = PrefetchIterator(endless(), put=lambda x: x, buffer_size=2)
+    assert next(iterator) == 0
+    iterator.close()
+    _wait_until_ended(iterator.thread)
+    assert cleaned_up.wait(THREAD_END_TIMEOUT_S)
+    with pytest.raises(StopIteration):
+        next(iterator)
+    iterator.close()  # A second close is harmless.
+
+
+def test_breaking_out_of_a_loop_ends_the_thread():
+    def loop_and_break():
+        for i in PrefetchIterator(iter(range(10**9)), put=lambda x: x, buffer_size=2):
+            if i == 3:
+                break
+
+    before = len(_prefetch_threads())
+    loop_and_break()
+    gc.collect()
+    for thread in _prefetch_threads()[before:]:
+        _wait_until_ended(thread)
+
+
+def test_garbage_collection_ends_the_thread():
+    iterator = PrefetchIterator(iter(range(10**9)), put=lambda x: x, buffer_size=2)
+    next(iterator)
+    thread = iterator.thread
+    del iterator
+    gc.collect()
+    _wait_until_ended(thread)
+
+
+def test_keyboard_interrupt_in_the_consumer_ends_the_thread():
+    iterator = PrefetchIterator(iter(range(10**9)), put=lambda x: x, buffer_size=2)
+    thread = iterator.thread
+    with pytest.raises(KeyboardInterrupt):
+        for i in iterator:
+            if i == 5:
+                raise KeyboardInterrupt
+    del iterator
+    gc.collect()
+    _wait_until_ended(thread)
+
+
+def test_a_thousand_abandoned_passes_leave_no_thread():
+    before = set(_prefetch_threads())
+    for _ in range(1000):
+        iterator = PrefetchIterator(iter(range(10)), put=lambda x: x, buffer_size=2)
+        next(iterator)
+        del iterator
+    gc.collect()
+    for thread in set(_prefetch_threads()) - before:
+        _wait_until_ended(thread)
+
+
+def test_at_most_buffer_size_elements_are_placed_ahead():
+    placed = []
+
+    def put(x):
+        placed.append(x)
+        return x
+
+    iterator = PrefetchIterator(iter(range(100)), put=put, buffer_size=3)
+    assert next(iterator) == 0
+    time.sleep(0.3)  # Let the producer fill the buffer.
+    assert len(placed) == 1 + 3, "the consumed element plus three placed ahead"
+    iterator.close()
+
+
+def test_peek_does_not_consume():
+    iterator = PrefetchIterator(iter([7, 8]), put=lambda x: x, buffer_size=1)
+    assert iterator.peek() == 7 and iterator.peek() == 7
+    assert list(iterator) == [7, 8]
+    with pytest.raises(StopIteration):
+        iterator.peek()
