@@ -7,8 +7,8 @@ created inside, the `step_fn` loop that prints 90, `reduce`, `experimental_local
 `gather`, `experimental_distribute_values_from_function`, the `cluster_resolver` and
 `num_replicas_in_sync` attributes, and the replica context inside `run`.
 
-The dataset methods (`experimental_distribute_dataset`, `distribute_datasets_from_function`) come
-with the input pipeline and are skipped for now. The spec shows `gather` and
+The dataset examples run with a numpy array and a list in place of `tf.data` (any iterable of
+batches works, a `tf.data.Dataset` included). The spec shows `gather` and
 `experimental_distribute_values_from_function` with MirroredStrategy, which jaxstrategy does not
 have yet; their OneDeviceStrategy equivalents run here instead (one replica, so local results are
 1-tuples and `gather` returns its input unchanged).
@@ -211,9 +211,33 @@ def show_replica_context(strategy: jaxstrategy.OneDeviceStrategy) -> None:
         print(f"in_cross_replica_context() in scope: {jaxstrategy.in_cross_replica_context()}")
 
 
-def show_datasets_note() -> None:
-    heading("experimental_distribute_dataset, distribute_datasets_from_function")
-    print("skipped: the dataset methods come with the input pipeline, which is not implemented yet")
+def show_distribute_dataset(strategy: jaxstrategy.OneDeviceStrategy) -> None:
+    """dataset = tf.data.Dataset.range(10).batch(2); for x in dist_dataset: print(x)."""
+    heading("experimental_distribute_dataset(range(10) in batches of 2)")
+    dataset = np.arange(10).reshape(5, 2)  # Any iterable of batches; a tf.data Dataset works too.
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    for x in dist_dataset:
+        print(f"{x.tolist()} {where(x)}")
+
+
+def show_datasets_from_function(strategy: jaxstrategy.OneDeviceStrategy) -> None:
+    """inputs = strategy.distribute_datasets_from_function(dataset_fn); run(replica_fn, (batch,))."""
+    heading("distribute_datasets_from_function(dataset_fn)")
+    global_batch_size = 4
+
+    def dataset_fn(input_context: jaxstrategy.InputContext) -> Any:
+        print(f"dataset_fn called with {input_context}")
+        batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        # The spec's from_tensors([[1.]]).repeat().batch(batch_size), three batches of it.
+        return [np.ones((batch_size, 1), np.float32)] * 3
+
+    def replica_fn(batch: jax.Array) -> jax.Array:
+        return jnp.sum(batch)
+
+    inputs = strategy.distribute_datasets_from_function(dataset_fn)
+    for batch in inputs:
+        replica_results = strategy.run(replica_fn, args=(batch,))
+        print(f"replica_results: {local_values(strategy, replica_results)}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -236,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     show_values_from_function(strategy)
     show_attributes(strategy)
     show_replica_context(strategy)
-    show_datasets_note()
+    show_distribute_dataset(strategy)
+    show_datasets_from_function(strategy)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,9 @@ class Strategy(abc.ABC):
 
         `fn` is traced and compiled once per strategy (a bound method passed afresh each step
         counts as the same function) and replayed afterwards, so Python side effects in `fn` happen
-        only while it is traced. While traced, `fn` runs in the replica context:
+        only while it is traced. State goes in and comes out: as with `jax.jit`, changes `fn` makes
+        in place to its arguments (an `nnx.Optimizer.update`, say) are not carried back, so
+        return the new state and rebind it. While traced, `fn` runs in the replica context:
         `jaxstrategy.get_replica_context()` gives the replica id and collectives.
 
         Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced

@@ -1,0 +1,382 @@
+"""Measure how well input pipelines hide the producer's time behind a training step.
+
+The workload: a flax (nnx) MLP 784-512-512-10 trained with optax adam on batches of 128, a jitted
+step, and a loop that reads the loss every step (`float(loss)`, as logging and progress bars do).
+Three loops run side by side in one process over the same producer:
+
+* plain: `for batch in source: step(...)`, through a bare `jax.jit`, no prefetch;
+* flax: `flax.jax_utils.prefetch_to_device(source, size=2)`, batches given a leading device axis
+  of 1 that the step indexes away;
+* jaxstrategy: `strategy.experimental_distribute_dataset(source)` of a `OneDeviceStrategy`, the
+  step called through `strategy.run`.
+
+Producers come in two kinds: I/O-bound (sleeps P per batch, like reading files) and CPU-bound
+(numpy work of about P per batch, calibrated here before the runs), with P = 0, C/2, C and 2C,
+where C is the step's compute time measured first (median of single steps on a batch already on
+the device). Each loop is timed over a fresh pass: a few steps to fill its pipeline, then `--steps`
+timed steps; within every (producer, P) cell the three loops are interleaved, in a rotating order,
+`--reps` times. The table gives the median efficiency max(P, C) / time per step of each cell,
+where P is the producer's own time per batch measured alone (sleep overshoot and the batch copy
+included, so a slow producer is not blamed on the pipeline).
+
+Run it from the repository root:
+
+    python bench/input_pipeline.py            # the full benchmark (a few minutes)
+    python bench/input_pipeline.py --quick    # a smoke test
+    python bench/input_pipeline.py --steps 200 --reps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import flax
+import flax.jax_utils
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxstrategy
+
+BATCH = 128
+FEATURES = 784
+CLASSES = 10
+HIDDEN = 512
+# Steps run before the timer starts on every pass: they fill the prefetch buffers, so each timing
+# covers the steady state rather than the start of a pass.
+FILL_STEPS = 4
+# Batches a source yields beyond the timed steps, so a prefetcher is still reading (and competing
+# for the cores) up to the last timed step instead of idling at the end of its source.
+TAIL_BATCHES = 4
+FULL_STEPS, FULL_REPS = 100, 5
+QUICK_STEPS, QUICK_REPS = 15, 1
+# The producer times as multiples of C.
+P_MULTIPLES = (0.0, 0.5, 1.0, 2.0)
+KINDS = ("I/O", "CPU")
+LOOPS = ("plain", "flax", "jaxstrategy")
+# The figures the issue sets: I/O-bound at least this, CPU-bound at least the ceiling a loop that
+# never blocks reached on this machine (JAX_NOTES.md).
+IO_GOAL = 0.95
+CPU_CEILING = 0.77
+
+Batch = tuple[np.ndarray, np.ndarray]
+State = tuple[Any, Any]  # (model parameters, optimizer state): pytrees of arrays.
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+        self.hidden2 = nnx.Linear(HIDDEN, HIDDEN, rngs=rngs)
+        self.logits = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jax.nn.relu(self.hidden1(x))
+        x = jax.nn.relu(self.hidden2(x))
+        return self.logits(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The training step as a pure function of pytrees, and the initial state."""
+
+    step: Callable[[Any, Any, Batch], tuple[Any, Any, jax.Array]]
+    initial: State
+
+
+def make_workload() -> Workload:
+    """Split the model once, here: nnx flattening costs ~36 us per call, so the step merges it
+    inside jit, where it costs nothing at run time."""
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)))
+    optimizer = optax.adam(1e-3)
+
+    def loss_fn(params: Any, batch: Batch) -> jax.Array:
+        x, y = batch
+        logits = nnx.merge(graphdef, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return Workload(step, (params, optimizer.init(params)))
+
+
+def median_seconds(fn: Callable[[], Any], calls: int) -> float:
+    """The median wall time of `fn()` over `calls` calls."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_compute(workload: Workload, calls: int) -> float:
+    """C: the median time of one step on a batch already on the device, blocking on every step."""
+    jitted = jax.jit(workload.step)
+    batch = jax.device_put(random_batch(np.random.default_rng(1)))
+    state = list(workload.initial)
+
+    def one_step() -> None:
+        params, opt_state, loss = jitted(*state, batch)
+        jax.block_until_ready((params, opt_state, loss))
+        state[:] = params, opt_state
+
+    for _ in range(5):  # Compile, and let the allocator settle.
+        one_step()
+    return median_seconds(one_step, calls)
+
+
+def random_batch(rng: np.random.Generator) -> Batch:
+    x = rng.standard_normal((BATCH, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, size=BATCH, dtype=np.int32)
+    return x, y
+
+
+class CpuWork:
+    """Numpy work of a chosen duration: repeated `np.sin` over a small array.
+
+    A ufunc over floats releases the GIL, as decoding and augmentation libraries mostly do, and
+    runs on one core, so the producer competes with XLA for the cores rather than for the GIL.
+    """
+
+    def __init__(self, size: int = 8192):
+        self._input = np.random.default_rng(2).random(size, dtype=np.float32)
+        self._output = np.empty_like(self._input)
+        self.unit_s = median_seconds(lambda: self.run(100), 11) / 100
+
+    def run(self, units: int) -> None:
+        for _ in range(units):
+            np.sin(self._input, out=self._output)
+
+    def units_for(self, seconds: float) -> int:
+        return round(seconds / self.unit_s)
+
+
+class Producer:
+    """A re-iterable source: each `iter()` yields `length` fresh (x, y) numpy batches.
+
+    Every batch is a new writeable array, as a file reader or a data loader would hand over; the
+    I/O-bound kind sleeps `seconds` before each one, the CPU-bound kind does that much numpy work.
+    """
+
+    def __init__(self, kind: str, seconds: float, work: CpuWork, length: int):
+        self.kind = kind
+        self.seconds = seconds
+        self._work = work
+        self._units = work.units_for(seconds) if kind == "CPU" else 0
+        self._template = random_batch(np.random.default_rng(3))
+        self.length = length
+
+    def make(self) -> Batch:
+        if self.kind == "I/O" and self.seconds > 0:
+            time.sleep(self.seconds)
+        elif self._units:
+            self._work.run(self._units)
+        x, y = self._template
+        return x.copy(), y.copy()
+
+    def __iter__(self) -> Iterator[Batch]:
+        for _ in range(self.length):
+            yield self.make()
+
+    def __len__(self) -> int:
+        return self.length
+
+
+# One timed pass of a loop: given a producer, run FILL_STEPS + steps steps and return the seconds
+# per timed step. Each loop keeps its own training state between passes: the three loops place
+# their state differently (uncommitted, committed to a NamedSharding, committed by the strategy),
+# and feeding one loop's state to another would compile the step again.
+Loop = Callable[[Producer, int], float]
+
+
+def timed_pass(batches: Iterable[Any], step: Callable[[Any], jax.Array], steps: int) -> float:
+    """Run `step` on each batch, reading the loss every step; time the steps after the fill."""
+    iterator = iter(batches)
+    for _ in range(FILL_STEPS):
+        float(step(next(iterator)))
+    start = time.perf_counter()
+    for _ in range(steps):
+        float(step(next(iterator)))  # The read a logger or progress bar makes, every step.
+    elapsed = time.perf_counter() - start
+    for _ in iterator:  # Finish the pass untimed, so no producer thread outlives it.
+        pass
+    return elapsed / steps
+
+
+def plain_loop(workload: Workload) -> Loop:
+    jitted = jax.jit(workload.step)
+    state = list(workload.initial)
+
+    def step(batch: Batch) -> jax.Array:
+        params, opt_state, loss = jitted(*state, batch)
+        state[:] = params, opt_state
+        return loss
+
+    return lambda producer, steps: timed_pass(producer, step, steps)
+
+
+def flax_loop(workload: Workload) -> Loop:
+    def step_on_device_axis(params: Any, opt_state: Any, batch: Batch) -> tuple[Any, Any, jax.Array]:
+        # prefetch_to_device shards a leading device axis; one device means an axis of length 1.
+        return workload.step(params, opt_state, jax.tree.map(lambda leaf: leaf[0], batch))
+
+    jitted = jax.jit(step_on_device_axis)
+    state = list(workload.initial)
+
+    def step(batch: Batch) -> jax.Array:
+        params, opt_state, loss = jitted(*state, batch)
+        state[:] = params, opt_state
+        return loss
+
+    def run(producer: Producer, steps: int) -> float:
+        with_device_axis = (jax.tree.map(lambda leaf: leaf[None], batch) for batch in producer)
+        return timed_pass(flax.jax_utils.prefetch_to_device(with_device_axis, size=2), step, steps)
+
+    return run
+
+
+def jaxstrategy_loop(workload: Workload) -> Loop:
+    strategy = jaxstrategy.OneDeviceStrategy()
+    state = list(strategy.put(workload.initial))
+    step_fn = workload.step  # The same function object every call, so run compiles it once.
+
+    def step(batch: Batch) -> jax.Array:
+        params, opt_state, loss = strategy.run(step_fn, args=(state[0], state[1], batch))
+        state[:] = params, opt_state
+        return loss
+
+    def run(producer: Producer, steps: int) -> float:
+        return timed_pass(strategy.experimental_distribute_dataset(producer), step, steps)
+
+    return run
+
+
+def count_compiles() -> collections.Counter[str]:
+    """Count XLA compiles from now on: a compile inside a timed pass would distort it."""
+    compiles: collections.Counter[str] = collections.Counter()
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles["backend"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    return compiles
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (producer kind, P) cell: its producer's own time per batch, and each loop's timings."""
+
+    kind: str
+    multiple: float
+    nominal_s: float
+    producer_s: float
+    seconds: dict[str, list[float]]
+
+    def efficiency(self, loop: str, compute_s: float) -> float:
+        return max(self.producer_s, compute_s) / statistics.median(self.seconds[loop])
+
+
+def measure_cell(
+    kind: str, multiple: float, compute_s: float, work: CpuWork, loops: dict[str, Loop], steps: int, reps: int
+) -> Cell:
+    producer = Producer(kind, multiple * compute_s, work, FILL_STEPS + steps + TAIL_BATCHES)
+    producer_s = median_seconds(producer.make, 15)
+    cell = Cell(kind, multiple, producer.seconds, producer_s, {name: [] for name in loops})
+    names = list(loops)
+    for rep in range(reps):
+        # Rotate the order, so drift in a noisy machine does not always fall on the same loop.
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            gc.collect()
+            cell.seconds[name].append(loops[name](producer, steps))
+    return cell
+
+
+def measure_copy_cost(calls: int) -> float:
+    """The host copy jaxstrategy makes of each writeable numpy batch before handing it to JAX."""
+    x, y = random_batch(np.random.default_rng(4))
+    return median_seconds(lambda: (x.copy(), y.copy()), calls)
+
+
+def print_table(cells: list[Cell], compute_s: float) -> None:
+    print(f"{'producer':<9}{'P/C':>5}{'P ms':>7}{'P alone ms':>12}" + "".join(f"{n:>13}" for n in LOOPS))
+    for cell in cells:
+        row = f"{cell.kind:<9}{cell.multiple:>5.1f}{cell.nominal_s * 1e3:>7.2f}{cell.producer_s * 1e3:>12.2f}"
+        print(row + "".join(f"{cell.efficiency(name, compute_s):>13.2f}" for name in LOOPS))
+    print(
+        "efficiency = max(P alone, C) / time per step: median over reps. 'P alone' is the producer's "
+        "time per batch measured by itself."
+    )
+
+
+def print_goals(cells: list[Cell], compute_s: float) -> None:
+    for kind, goal in (("I/O", IO_GOAL), ("CPU", CPU_CEILING)):
+        worst = min(cell.efficiency("jaxstrategy", compute_s) for cell in cells if cell.kind == kind)
+        verdict = "met" if worst >= goal else "NOT met"
+        print(f"goal {kind}-bound: jaxstrategy >= {goal:.2f} at every P: {verdict} (worst {worst:.2f})")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke test: few steps, one rep")
+    parser.add_argument("--steps", type=int, help=f"timed steps per pass (default {FULL_STEPS})")
+    parser.add_argument("--reps", type=int, help=f"passes per loop and cell (default {FULL_REPS})")
+    args = parser.parse_args()
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else FULL_STEPS
+    if args.reps is None:
+        args.reps = QUICK_REPS if args.quick else FULL_REPS
+    if args.steps < 1 or args.reps < 1:
+        parser.error("--steps and --reps must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    workload = make_workload()
+    compute_s = measure_compute(workload, 30 if args.quick else 100)
+    work = CpuWork()
+    loops = {
+        "plain": plain_loop(workload),
+        "flax": flax_loop(workload),
+        "jaxstrategy": jaxstrategy_loop(workload),
+    }
+    # Compile every loop's step (the flax and strategy loops commit their state on the first step,
+    # which compiles a second variant) before anything is timed.
+    warm_up = Producer("I/O", 0.0, work, FILL_STEPS + 2 + TAIL_BATCHES)
+    for loop in loops.values():
+        loop(warm_up, 2)
+    compiles = count_compiles()
+    copy_s = measure_copy_cost(200)
+    print(
+        f"jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0]}; "
+        f"C = {compute_s * 1e3:.2f} ms; {args.steps} timed steps per pass, {args.reps} reps per cell; "
+        f"CPU work unit {work.unit_s * 1e6:.1f} us"
+    )
+    print(
+        f"host copy jaxstrategy makes of each writeable batch: {copy_s * 1e6:.1f} us "
+        f"({copy_s / compute_s:.1%} of C)\n"
+    )
+    cells = [
+        measure_cell(kind, multiple, compute_s, work, loops, args.steps, args.reps)
+        for kind in KINDS
+        for multiple in P_MULTIPLES
+    ]
+    print_table(cells, compute_s)
+    print(f"XLA compiles while timed: {compiles['backend']}")
+    print_goals(cells, compute_s)
+
+
+if __name__ == "__main__":
+    main()
