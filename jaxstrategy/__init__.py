@@ -28,6 +28,18 @@ from jaxstrategy._src.strategy import Strategy as Strategy
 
 __version__ = "0.1.0"
 
+# Submodules with heavy imports load on first use: orbax alone takes seconds to import.
+_LAZY_SUBMODULES = ("checkpoint",)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jaxstrategy.{name}")
+    raise AttributeError(f"module 'jaxstrategy' has no attribute {name!r}")
+
+
 __all__ = (
     "DistributedDataset",
     "DistributedIterator",

@@ -402,6 +402,16 @@ class StrategyConformance:
         params = strategy.init(lambda key: {"w": jax.random.normal(key, (4, 4))}, jax.random.key(0))
         _assert_on_strategy(params, strategy)
 
+    def test_checkpoint_round_trip_onto_the_strategy(self, strategy, tmp_path):
+        from jaxstrategy import checkpoint
+
+        saved = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "key": jax.random.key(3)}
+        checkpoint.save(tmp_path, saved)
+        restored = checkpoint.restore(tmp_path, strategy=strategy, target=saved)
+        assert restored["w"].tolist() == saved["w"].tolist()
+        assert (jax.random.key_data(restored["key"]) == jax.random.key_data(saved["key"])).all()
+        _assert_on_strategy(restored, strategy)
+
     def test_extended_and_basic_attributes(self, strategy):
         assert strategy.cluster_resolver is None
         assert strategy.num_replicas_in_sync == len(strategy.devices)

@@ -50,6 +50,37 @@ STRATEGY_METHODS = (
 )
 
 
+CHECKPOINT_NAMES = (
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "restore",
+    "save",
+)
+
+
+def test_checkpoint_module_is_pinned():
+    from jaxstrategy import checkpoint
+
+    assert checkpoint.__all__ == CHECKPOINT_NAMES
+    for name in CHECKPOINT_NAMES:
+        assert getattr(checkpoint, name).__doc__, name
+    for name in ("Checkpointer", "save", "restore"):
+        assert ">>>" in getattr(checkpoint, name).__doc__, name
+
+
+def test_importing_jaxstrategy_does_not_import_orbax():
+    import subprocess
+    import sys
+
+    code = "import sys, jaxstrategy; print('orbax.checkpoint' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )
+
+
 def test_all_is_pinned():
     assert jaxstrategy.__all__ == PUBLIC_NAMES
     assert all(hasattr(jaxstrategy, name) for name in PUBLIC_NAMES)

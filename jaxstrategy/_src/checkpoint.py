@@ -1,0 +1,420 @@
+"""Save and restore variable pytrees with orbax, restoring straight onto any strategy's sharding.
+
+A checkpoint directory holds one subdirectory per step, written by orbax's `CheckpointManager`:
+orbax writes a step into a temporary directory and renames it when complete, so a process killed
+mid-save leaves the previous steps intact and the partial one invisible. Each step holds two
+items: `state`, the arrays (through orbax's StandardCheckpointHandler), and `prng_keys`, a small
+JSON map from the paths of typed PRNG key leaves to their implementation, because keys are saved
+as their raw data and must be wrapped again on restore. Nothing is pickled.
+
+Restoring builds an abstract tree of `jax.ShapeDtypeStruct`s carrying the target strategy's
+sharding, so orbax reads every array directly onto its device, committed, whatever strategy
+saved it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxstrategy._src import contexts
+from jaxstrategy._src.errors import JaxStrategyError, bullet_list
+from jaxstrategy._src.strategy import Strategy
+from jaxstrategy._src.tree_checks import require_array_leaves
+from jaxstrategy._src.types import PyTree
+
+_STATE = "state"
+_PRNG_KEYS = "prng_keys"
+# At most this many lines of leaf differences in one message; the rest are counted.
+_MAX_LISTED = 20
+
+
+class CheckpointNotFoundError(JaxStrategyError, FileNotFoundError):
+    """The directory, or the requested step in it, holds no complete checkpoint."""
+
+
+class CorruptCheckpointError(JaxStrategyError, ValueError):
+    """A checkpoint exists but cannot be read: truncated, corrupted, or written by something else."""
+
+
+class CheckpointMismatchError(JaxStrategyError, ValueError):
+    """A `target` tree differs from the checkpoint in structure, shapes or dtypes."""
+
+
+class Checkpointer:
+    """Numbered checkpoints of a training loop in one directory, saved in the background.
+
+    `save(step, tree)` returns once the arrays are copied off the device; orbax writes the files
+    in a background thread, and the next `save`, `wait()` or `close()` waits for that. Keeps the
+    newest `max_to_keep` steps (all when None) and saves only steps that are multiples of
+    `save_interval_steps`.
+
+    Args:
+      directory: where the steps live; created if missing.
+      max_to_keep: how many of the newest steps to keep, or None for all.
+      save_interval_steps: `save` writes only steps divisible by this (and returns False for
+        the others).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, jaxstrategy
+      >>> from jaxstrategy import checkpoint
+      >>> with checkpoint.Checkpointer(tempfile.mkdtemp(), max_to_keep=2) as checkpointer:
+      ...     for step in range(3):
+      ...         _ = checkpointer.save(step, {'w': jnp.full(2, step)})
+      ...     checkpointer.wait()
+      ...     print(checkpointer.all_steps(), checkpointer.restore()['w'].tolist())
+      [1, 2] [2, 2]
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+    ):
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(f"Checkpointer(max_to_keep={max_to_keep!r}): expected None or an int >= 1.")
+        if (
+            isinstance(save_interval_steps, bool)
+            or not isinstance(save_interval_steps, int)
+            or save_interval_steps < 1
+        ):
+            raise ValueError(
+                f"Checkpointer(save_interval_steps={save_interval_steps!r}): expected an int >= 1."
+            )
+        self._directory = Path(directory).absolute()
+        self._manager = _manager(
+            self._directory, create=True, max_to_keep=max_to_keep, interval=save_interval_steps
+        )
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint directory, absolute."""
+        return self._directory
+
+    def save(self, step: int, tree: PyTree, *, force: bool = False) -> bool:
+        """Start saving `tree` as `step`; return whether it is saved (False when skipped by the interval).
+
+        Args:
+          step: the step number, an int >= 0, greater than every saved step.
+          tree: a pytree of arrays (typed PRNG keys included).
+          force: save even when `step` is not a multiple of `save_interval_steps`.
+
+        Raises:
+          TypeError: a leaf is not an array.
+          FileExistsError: `step` is saved already.
+        """
+        _check_step(step, "Checkpointer.save()")
+        require_array_leaves(tree, caller="Checkpointer.save()", name="tree")
+        if step in self._manager.all_steps():
+            raise FileExistsError(
+                f"Checkpointer.save(): step {step} is already saved in {self._directory}; steps must "
+                "grow. Save under a new step number, or delete that step's directory first."
+            )
+        state, prng_impls = _split_prng_keys(tree)
+        return bool(
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardSave(state), _PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
+                ),
+                force=force,
+            )
+        )
+
+    def wait(self) -> None:
+        """Block until every save started so far is on disk."""
+        self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None when there is none."""
+        self._manager.reload()
+        step = self._manager.latest_step()
+        return None if step is None else int(step)
+
+    def all_steps(self) -> list[int]:
+        """The complete steps, oldest first."""
+        self._manager.reload()
+        return sorted(int(step) for step in self._manager.all_steps())
+
+    def restore(
+        self, step: int | None = None, *, strategy: Strategy | None = None, target: PyTree = None
+    ) -> PyTree:
+        """Restore `step` (the newest when None) onto `strategy` (the current one when None).
+
+        Every leaf is read directly onto the strategy's sharding, committed. With a `target` (a
+        pytree of arrays or `jax.ShapeDtypeStruct`s, such as an nnx state or an optax state),
+        the result has the target's structure, and every difference in paths, shapes or dtypes is
+        reported at once, before anything is read; without one, the saved structure comes back as
+        nested dicts and lists.
+
+        Raises:
+          CheckpointNotFoundError: (a `FileNotFoundError`) no such step, or no steps at all.
+          CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
+          CorruptCheckpointError: (a `ValueError`) the step cannot be read.
+        """
+        self.wait()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(_no_steps_message(self._directory))
+            step = steps[-1]
+        _check_step(step, "Checkpointer.restore()")
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"No complete checkpoint for step {step} in {self._directory}; it holds steps {steps}."
+            )
+        strategy = contexts.get_strategy() if strategy is None else strategy
+        if not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"Checkpointer.restore(): strategy must be a jaxstrategy strategy; got {strategy!r}."
+            )
+        return _restore_step(self._manager, self._directory, step, strategy.sharding, target)
+
+    def close(self) -> None:
+        """Wait for pending saves and release orbax's resources. Safe to call twice."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self._directory)!r})"
+
+
+def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = None) -> int:
+    """Save `tree` to `directory` and return the step it was saved as; returns when it is on disk.
+
+    Args:
+      directory: the checkpoint directory; created if missing.
+      tree: a pytree of arrays (typed PRNG keys included).
+      step: the step number; None means one more than the newest saved step (0 for the first).
+
+    Raises:
+      TypeError: a leaf is not an array.
+      FileExistsError: `step` is saved already.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from jaxstrategy import checkpoint
+      >>> directory = tempfile.mkdtemp()
+      >>> checkpoint.save(directory, {'w': jnp.ones(3)}), checkpoint.save(directory, {'w': jnp.zeros(3)})
+      (0, 1)
+      >>> checkpoint.restore(directory)['w'].tolist()
+      [0.0, 0.0, 0.0]
+    """
+    with Checkpointer(directory) as checkpointer:
+        if step is None:
+            latest = checkpointer.latest_step()
+            step = 0 if latest is None else latest + 1
+        checkpointer.save(step, tree, force=True)
+        checkpointer.wait()
+    return step
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    *,
+    strategy: Strategy | None = None,
+    target: PyTree = None,
+    step: int | None = None,
+) -> PyTree:
+    """Restore a checkpoint from `directory` onto `strategy` (the current strategy when None).
+
+    See `Checkpointer.restore`; this is the same for one call, without creating `directory`.
+
+    Raises:
+      CheckpointNotFoundError: (a `FileNotFoundError`) `directory` does not exist, holds no
+        checkpoint, or lacks `step`.
+      CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
+      CorruptCheckpointError: (a `ValueError`) the checkpoint cannot be read.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, jaxstrategy
+      >>> from jaxstrategy import checkpoint
+      >>> directory = tempfile.mkdtemp()
+      >>> _ = checkpoint.save(directory, {'w': jnp.arange(3.0)})
+      >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+      >>> restored = checkpoint.restore(directory, strategy=strategy, target={'w': jnp.zeros(3)})
+      >>> restored['w'].tolist(), restored['w'].committed
+      ([0.0, 1.0, 2.0], True)
+    """
+    path = Path(directory).absolute()
+    if not path.is_dir():
+        raise CheckpointNotFoundError(
+            f"No checkpoint directory at {path}: it does not exist or is not a directory."
+        )
+    with Checkpointer(path) as checkpointer:
+        return checkpointer.restore(step, strategy=strategy, target=target)
+
+
+def _manager(
+    directory: Path, *, create: bool, max_to_keep: int | None, interval: int
+) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, save_interval_steps=interval, create=create
+    )
+    handlers = {_STATE: ocp.StandardCheckpointHandler(), _PRNG_KEYS: ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _check_step(step: Any, caller: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"{caller}: step must be an int >= 0; got {step!r}.")
+
+
+def _no_steps_message(directory: Path) -> str:
+    entries = sorted(entry.name for entry in directory.iterdir())[:10] if directory.is_dir() else []
+    return (
+        f"{directory} is not a checkpoint directory: it holds no complete saved step "
+        f"(it contains {entries or 'nothing'}). Save with jaxstrategy.checkpoint first, or pass "
+        "the directory you saved to."
+    )
+
+
+# --- PRNG keys ---------------------------------------------------------------------------------
+
+
+def _is_prng_key(leaf: Any) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _split_prng_keys(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
+    """Replace typed PRNG key leaves by their raw data; return the map of their paths to impls."""
+    impls = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_prng_key(leaf):
+            impls[_path_string(path)] = str(jax.random.key_impl(leaf))
+    state = jax.tree.map(lambda x: jax.random.key_data(x) if _is_prng_key(x) else x, tree)
+    return state, impls
+
+
+def _path_string(path: tuple[Any, ...]) -> str:
+    """A path in a form independent of container types: orbax saves tuples and nodes as dicts/lists."""
+    parts = []
+    for entry in path:
+        for attribute in ("key", "idx", "name"):
+            if hasattr(entry, attribute):
+                parts.append(str(getattr(entry, attribute)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+# --- restore -----------------------------------------------------------------------------------
+
+
+def _restore_step(
+    manager: ocp.CheckpointManager,
+    directory: Path,
+    step: int,
+    sharding: jax.sharding.Sharding,
+    target: PyTree,
+) -> PyTree:
+    where = f"step {step} in {directory}"
+    try:
+        saved = manager.item_metadata(step)[_STATE]
+        prng_impls = manager.restore(step, args=ocp.args.Composite(**{_PRNG_KEYS: ocp.args.JsonRestore()}))[
+            _PRNG_KEYS
+        ]
+    except Exception as error:
+        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+    saved_leaves = {
+        _path_string(path): (tuple(meta.shape), np.dtype(meta.dtype))
+        for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]
+    }
+    if target is None:
+        abstract = jax.tree.map(
+            lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding), saved
+        )
+    else:
+        abstract = _abstract_target(target, saved_leaves, prng_impls or {}, where, sharding)
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+        )[_STATE]
+        restored = jax.block_until_ready(restored)  # Read errors surface here, not in the caller's step.
+    except Exception as error:
+        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+    return _wrap_prng_keys(restored, prng_impls or {})
+
+
+def _abstract_target(
+    target: PyTree,
+    saved: dict[str, tuple[tuple[int, ...], np.dtype]],
+    prng_impls: dict[str, str],
+    where: str,
+    sharding: jax.sharding.Sharding,
+) -> PyTree:
+    problems = []
+    wanted = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        name = _path_string(path)
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            problems.append(
+                f"{name}: the target leaf is a {type(leaf).__name__}, not an array or ShapeDtypeStruct"
+            )
+            continue
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            if name not in prng_impls:
+                problems.append(
+                    f"{name}: the target holds PRNG keys, the checkpoint plain {_format(saved.get(name))}"
+                )
+                continue
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+            shape, dtype = tuple(data.shape), data.dtype
+        wanted[name] = (shape, np.dtype(dtype))
+    for name in sorted(wanted.keys() - saved.keys()):
+        problems.append(f"{name}: in the target, not in the checkpoint")
+    for name in sorted(saved.keys() - wanted.keys()):
+        problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
+    for name in sorted(wanted.keys() & saved.keys()):
+        if wanted[name] != saved[name]:
+            problems.append(
+                f"{name}: the checkpoint has {_format(saved[name])}, the target {_format(wanted[name])}"
+            )
+    if problems:
+        listed = problems[:_MAX_LISTED]
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointMismatchError(
+            f"The target does not match the checkpoint at {where}; nothing was restored:"
+            f"{bullet_list(listed)}{more}"
+        )
+
+    def abstract_leaf(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
+        shape, dtype = wanted[_path_string(path)]
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(abstract_leaf, target)
+
+
+def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+    if shape_and_dtype is None:
+        return "nothing"
+    shape, dtype = shape_and_dtype
+    return f"{dtype.name}{list(shape)}"
+
+
+def _wrap_prng_keys(tree: PyTree, prng_impls: dict[str, str]) -> PyTree:
+    if not prng_impls:
+        return tree
+
+    def wrap(path: tuple[Any, ...], leaf: Any) -> Any:
+        impl = prng_impls.get(_path_string(path))
+        return leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
+
+    return jax.tree_util.tree_map_with_path(wrap, tree)

@@ -1,0 +1,293 @@
+"""Checkpointing: bit-exact round trips onto any strategy, atomic saves, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstrategy
+from jaxstrategy import OneDeviceStrategy, checkpoint
+
+
+def _tree():
+    key = jax.random.key(7)
+    return {
+        "f32": jnp.linspace(-3.0, 3.0, 12, dtype=jnp.float32).reshape(3, 4) / 7,
+        "bf16": (jnp.arange(5, dtype=jnp.bfloat16) / 3,),
+        "i32": jnp.array([-(2**31), 0, 2**31 - 1], jnp.int32),
+        "bool": jnp.array([True, False, True]),
+        "keys": [key, jax.random.split(key, 4), jax.random.key(1, impl="rbg")],
+        "scalar": jnp.float32(np.pi),
+    }
+
+
+def _assert_bit_exact(restored, original):
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(original), strict=True):
+        if jnp.issubdtype(b.dtype, jax.dtypes.prng_key):
+            assert a.dtype == b.dtype and jax.random.key_impl(a) == jax.random.key_impl(b)
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_round_trip_with_a_target_is_bit_exact_onto_another_device(tmp_path, cpu_devices):
+    saving = OneDeviceStrategy("/cpu:0")
+    tree = saving.put(_tree())
+    checkpoint.save(tmp_path, tree)
+    target = OneDeviceStrategy("/cpu:1")
+    restored = checkpoint.restore(tmp_path, strategy=target, target=tree)
+    assert jax.tree.structure(restored) == jax.tree.structure(tree)
+    _assert_bit_exact(restored, tree)
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.devices() == {cpu_devices[1]} and leaf.committed
+
+
+def test_without_a_target_the_saved_structure_comes_back_as_dicts_and_lists(tmp_path):
+    tree = _tree()
+    checkpoint.save(tmp_path, tree)
+    restored = checkpoint.restore(tmp_path)
+    assert isinstance(restored["bf16"], list) and isinstance(restored["keys"], list)
+    _assert_bit_exact(restored, tree)
+
+
+def test_restore_uses_the_current_strategy(tmp_path, strategy_cpu1):
+    checkpoint.save(tmp_path, {"w": jnp.ones(3)})
+    with strategy_cpu1.scope():
+        restored = checkpoint.restore(tmp_path)
+    assert restored["w"].devices() == {strategy_cpu1.device} and restored["w"].committed
+
+
+def test_a_target_of_shape_dtype_structs(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones((2, 3)), "k": jax.random.key(0)})
+    target = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "k": jax.eval_shape(lambda: jax.random.key(0))}
+    restored = checkpoint.restore(tmp_path, target=target)
+    assert restored["w"].shape == (2, 3) and jnp.issubdtype(restored["k"].dtype, jax.dtypes.prng_key)
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(3, 2, rngs=rngs)
+        self.bn = nnx.BatchNorm(2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.linear(x))
+
+
+def test_an_nnx_model_and_optax_state_round_trip(tmp_path, strategy_cpu1):
+    graphdef, state = nnx.split(_Model(nnx.Rngs(0)))
+    optimizer = optax.adam(1e-3)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes its int32 count with floats.
+        opt_state = optimizer.init(state)
+    saved = {"model": state, "optimizer": opt_state}
+    checkpoint.save(tmp_path, saved)
+    fresh = {"model": nnx.split(_Model(nnx.Rngs(1)))[1], "optimizer": opt_state}
+    restored = checkpoint.restore(tmp_path, strategy=strategy_cpu1, target=fresh)
+    assert jax.tree.structure(restored) == jax.tree.structure(saved)
+    _assert_bit_exact(restored, saved)
+    model = nnx.merge(graphdef, restored["model"])
+    assert model(jnp.ones((1, 3))).shape == (1, 2)
+
+
+def test_a_mismatched_target_names_every_differing_leaf_and_restores_nothing(tmp_path):
+    checkpoint.save(
+        tmp_path, {"w": jnp.ones((2, 3)), "b": jnp.zeros(3), "old": jnp.ones(1), "k": jax.random.key(0)}
+    )
+    target = {
+        "w": jnp.ones((3, 2)),
+        "b": jnp.zeros(3, jnp.int32),
+        "new": jnp.ones(1),
+        "k": jnp.zeros(2, jnp.uint32),
+    }
+    with pytest.raises(checkpoint.CheckpointMismatchError) as info:
+        checkpoint.restore(tmp_path, target=target)
+    message = str(info.value)
+    assert message.startswith(
+        f"The target does not match the checkpoint at step 0 in {tmp_path}; nothing was restored:"
+    )
+    for line in (
+        "new: in the target, not in the checkpoint",
+        "old: in the checkpoint (float32[1]), not in the target",
+        "b: the checkpoint has float32[3], the target int32[3]",
+        "w: the checkpoint has float32[2, 3], the target float32[3, 2]",
+    ):
+        assert f"\n  {line}" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_target_expecting_keys_where_plain_arrays_were_saved(tmp_path):
+    checkpoint.save(tmp_path, {"k": jnp.zeros(2, jnp.uint32)})
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=r"k: the target holds PRNG keys, the checkpoint plain uint32\[2\]",
+    ):
+        checkpoint.restore(tmp_path, target={"k": jax.random.key(0)})
+
+
+# --- Checkpointer ------------------------------------------------------------------------------
+
+
+def test_checkpointer_keeps_the_newest_steps_and_honours_the_interval(tmp_path):
+    with checkpoint.Checkpointer(tmp_path, max_to_keep=2, save_interval_steps=2) as checkpointer:
+        saved = [checkpointer.save(step, {"step": jnp.int32(step)}) for step in range(7)]
+        checkpointer.wait()
+        assert saved == [True, False, True, False, True, False, True]
+        assert checkpointer.all_steps() == [4, 6] and checkpointer.latest_step() == 6
+        assert checkpointer.restore()["step"].tolist() == 6
+        assert checkpointer.restore(4)["step"].tolist() == 4
+        assert checkpointer.save(7, {"step": jnp.int32(7)}, force=True)
+
+
+def test_checkpointer_save_returns_before_the_files_are_written(tmp_path):
+    big = {"w": jnp.ones((1024, 1024, 16))}  # 64 MiB
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(0, big)
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [0]
+
+
+def test_saving_a_step_twice_is_an_error(tmp_path):
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, {"w": jnp.ones(1)})
+        checkpointer.wait()
+        with pytest.raises(FileExistsError, match=rf"step 3 is already saved in {tmp_path}; steps must grow"):
+            checkpointer.save(3, {"w": jnp.ones(1)})
+    with pytest.raises(FileExistsError, match="step 3 is already saved"):
+        checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=3)
+
+
+def test_save_without_a_step_numbers_them(tmp_path):
+    assert [checkpoint.save(tmp_path, {"w": jnp.ones(1)}) for _ in range(3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("step", [-1, 1.0, True, "3"])
+def test_bad_steps(tmp_path, step):
+    with (
+        checkpoint.Checkpointer(tmp_path) as checkpointer,
+        pytest.raises(ValueError, match=r"step must be an int >= 0"),
+    ):
+        checkpointer.save(step, {"w": jnp.ones(1)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_to_keep": 0}, "max_to_keep=0"), ({"save_interval_steps": 0}, "save_interval_steps=0")],
+)
+def test_bad_checkpointer_options(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=rf"Checkpointer\({message}\): expected"):
+        checkpoint.Checkpointer(tmp_path, **kwargs)
+
+
+def test_leaves_that_are_not_arrays_are_rejected(tmp_path):
+    with pytest.raises(TypeError, match=r"every leaf must be an array:\n  tree\['name'\] is a str"):
+        checkpoint.save(tmp_path, {"w": jnp.ones(1), "name": "x"})
+
+
+def test_lazy_submodule_attribute():
+    assert jaxstrategy.checkpoint is checkpoint
+
+
+# --- errors naming the path --------------------------------------------------------------------
+
+
+def test_a_missing_directory(tmp_path):
+    missing = tmp_path / "nothing-here"
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match=rf"No checkpoint directory at {missing}"
+    ) as info:
+        checkpoint.restore(missing)
+    assert isinstance(info.value, FileNotFoundError)
+    assert not missing.exists(), "restore does not create the directory"
+
+
+def test_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match=rf"{tmp_path} is not a checkpoint directory: .*'notes.txt'"
+    ):
+        checkpoint.restore(tmp_path)
+
+
+def test_a_missing_step_lists_the_saved_ones(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError,
+        match=rf"No complete checkpoint for step 5 in {tmp_path}; it holds steps \[0\]",
+    ):
+        checkpoint.restore(tmp_path, step=5)
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_a_truncated_checkpoint_is_a_clear_error(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.arange(100_000, dtype=jnp.float32)})
+    data = _largest_file(tmp_path / "0" / "state")
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError, match=rf"Cannot read the checkpoint at step 0 in {tmp_path}"
+    ):
+        checkpoint.restore(tmp_path)
+
+
+def test_a_step_written_by_something_else_is_a_clear_error(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    for path in sorted((tmp_path / "0").rglob("*"), reverse=True):
+        if path.is_file() and path.name != "commit_success.txt":
+            path.write_bytes(b"garbage")
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError, match=rf"Cannot read the checkpoint at step 0 in {tmp_path}"
+    ):
+        checkpoint.restore(tmp_path)
+
+
+# --- atomicity ---------------------------------------------------------------------------------
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, time
+    import jax.numpy as jnp
+    from jaxstrategy import checkpoint
+
+    directory = sys.argv[1]
+    checkpoint.save(directory, {"w": jnp.full((4,), 1.0)}, step=0)
+    print("saved 0", flush=True)
+    big = {f"w{i}": jnp.full((2048, 2048), float(i)) for i in range(64)}  # 1 GiB: slow to write
+    with checkpoint.Checkpointer(directory) as checkpointer:
+        checkpointer.save(1, big)
+        print("saving 1", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    with subprocess.Popen(
+        [sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    ) as child:
+        try:
+            assert child.stdout.readline() == "saved 0\n"
+            deadline = time.monotonic() + 120
+            while not any(entry.name.startswith("1.") for entry in tmp_path.iterdir()):
+                assert time.monotonic() < deadline, "step 1 never started writing"
+                assert child.poll() is None, "the saver ended before it was killed"
+                time.sleep(0.002)
+            assert not (tmp_path / "1").exists(), "step 1 finished before it could be killed"
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=60)
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.all_steps() == [0] and checkpointer.latest_step() == 0
+        assert checkpointer.restore()["w"].tolist() == [1.0] * 4
