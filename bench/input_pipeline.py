@@ -32,6 +32,7 @@ import argparse
 import collections
 import dataclasses
 import gc
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -56,12 +57,14 @@ FILL_STEPS = 4
 # Batches a source yields beyond the timed steps, so a prefetcher is still reading (and competing
 # for the cores) up to the last timed step instead of idling at the end of its source.
 TAIL_BATCHES = 4
-FULL_STEPS, FULL_REPS = 100, 5
+FULL_STEPS, FULL_REPS = 60, 7
 QUICK_STEPS, QUICK_REPS = 15, 1
 # The producer times as multiples of C.
 P_MULTIPLES = (0.0, 0.5, 1.0, 2.0)
 KINDS = ("I/O", "CPU")
 LOOPS = ("plain", "flax", "jaxstrategy")
+# The reference pass timed beside them: the same loop on a batch already on the device, i.e. C now.
+COMPUTE = "compute"
 # The figures the issue sets: I/O-bound at least this, CPU-bound at least the ceiling a loop that
 # never blocks reached on this machine (JAX_NOTES.md).
 IO_GOAL = 0.95
@@ -120,8 +123,9 @@ def median_seconds(fn: Callable[[], Any], calls: int) -> float:
     return statistics.median(times)
 
 
-def measure_compute(workload: Workload, calls: int) -> float:
-    """C: the median time of one step on a batch already on the device, blocking on every step."""
+def compute_timer(workload: Workload) -> Callable[[int], float]:
+    """Return a function of `calls` that measures C: the median time of one step on a batch
+    already on the device, blocking on every step."""
     jitted = jax.jit(workload.step)
     batch = jax.device_put(random_batch(np.random.default_rng(1)))
     state = list(workload.initial)
@@ -133,7 +137,7 @@ def measure_compute(workload: Workload, calls: int) -> float:
 
     for _ in range(5):  # Compile, and let the allocator settle.
         one_step()
-    return median_seconds(one_step, calls)
+    return lambda calls: median_seconds(one_step, calls)
 
 
 def random_batch(rng: np.random.Generator) -> Batch:
@@ -152,7 +156,12 @@ class CpuWork:
     def __init__(self, size: int = 8192):
         self._input = np.random.default_rng(2).random(size, dtype=np.float32)
         self._output = np.empty_like(self._input)
-        self.unit_s = median_seconds(lambda: self.run(100), 11) / 100
+        self.unit_s = 0.0
+        self.calibrate()
+
+    def calibrate(self) -> None:
+        """Measure the time of one unit of work now (the machine's speed drifts)."""
+        self.unit_s = median_seconds(lambda: self.run(100), 21) / 100
 
     def run(self, units: int) -> None:
         for _ in range(units):
@@ -212,6 +221,24 @@ def timed_pass(batches: Iterable[Any], step: Callable[[Any], jax.Array], steps: 
     for _ in iterator:  # Finish the pass untimed, so no producer thread outlives it.
         pass
     return elapsed / steps
+
+
+def compute_loop(workload: Workload) -> Loop:
+    """The loop with free input: every step reuses one batch already on the device.
+
+    Timed beside the others in every rep, it gives C as it is at that moment: on a shared machine
+    C drifts by tens of percent within minutes, far more than the differences being measured.
+    """
+    jitted = jax.jit(workload.step)
+    state = list(workload.initial)
+    batch = jax.device_put(random_batch(np.random.default_rng(1)))
+
+    def step(_: Batch) -> jax.Array:
+        params, opt_state, loss = jitted(*state, batch)
+        state[:] = params, opt_state
+        return loss
+
+    return lambda producer, steps: timed_pass(itertools.repeat(None, len(producer)), step, steps)
 
 
 def plain_loop(workload: Workload) -> Loop:
@@ -276,7 +303,10 @@ def count_compiles() -> collections.Counter[str]:
 
 @dataclasses.dataclass
 class Cell:
-    """One (producer kind, P) cell: its producer's own time per batch, and each loop's timings."""
+    """One (producer kind, P) cell: its producer's own time per batch, and each loop's timings.
+
+    `seconds[name][rep]` is the time per step of loop `name` in that rep, `COMPUTE` included.
+    """
 
     kind: str
     multiple: float
@@ -284,14 +314,35 @@ class Cell:
     producer_s: float
     seconds: dict[str, list[float]]
 
-    def efficiency(self, loop: str, compute_s: float) -> float:
-        return max(self.producer_s, compute_s) / statistics.median(self.seconds[loop])
+    @property
+    def compute_s(self) -> float:
+        return statistics.median(self.seconds[COMPUTE])
+
+    def efficiency(self, loop: str) -> float:
+        """The median over reps of max(P, C) / time per step, with the C timed in the same rep.
+
+        Pairing each pass with the reference pass of its own rep cancels most of the drift.
+        """
+        ratios = [
+            max(self.producer_s, compute_s) / seconds
+            for compute_s, seconds in zip(self.seconds[COMPUTE], self.seconds[loop], strict=True)
+        ]
+        return statistics.median(ratios)
 
 
 def measure_cell(
-    kind: str, multiple: float, compute_s: float, work: CpuWork, loops: dict[str, Loop], steps: int, reps: int
+    kind: str,
+    multiple: float,
+    measure_compute: Callable[[int], float],
+    work: CpuWork,
+    loops: dict[str, Loop],
+    steps: int,
+    reps: int,
 ) -> Cell:
-    producer = Producer(kind, multiple * compute_s, work, FILL_STEPS + steps + TAIL_BATCHES)
+    # P is sized from C and the work unit measured now, not at the start: on a shared machine both
+    # drift by tens of percent within minutes.
+    work.calibrate()
+    producer = Producer(kind, multiple * measure_compute(30), work, FILL_STEPS + steps + TAIL_BATCHES)
     producer_s = median_seconds(producer.make, 15)
     cell = Cell(kind, multiple, producer.seconds, producer_s, {name: [] for name in loops})
     names = list(loops)
@@ -303,26 +354,38 @@ def measure_cell(
     return cell
 
 
-def measure_copy_cost(calls: int) -> float:
-    """The host copy jaxstrategy makes of each writeable numpy batch before handing it to JAX."""
-    x, y = random_batch(np.random.default_rng(4))
-    return median_seconds(lambda: (x.copy(), y.copy()), calls)
+def measure_placement_cost(sharding: jax.sharding.Sharding, calls: int) -> tuple[float, float]:
+    """The per-batch work of jaxstrategy's input thread: (host copy, device_put of the copy).
+
+    jaxstrategy copies each writeable numpy batch before handing it to `jax.device_put`, because
+    JAX may alias (CPU) or still be reading (accelerators) the host memory; the project reports it.
+    """
+    batch = random_batch(np.random.default_rng(4))
+    copy_s = median_seconds(lambda: [leaf.copy() for leaf in batch], calls)
+    copies = [[leaf.copy() for leaf in batch] for _ in range(calls)]  # Made apart, so not timed.
+    put_s = median_seconds(lambda: jax.block_until_ready(jax.device_put(copies.pop(), sharding)), calls)
+    return copy_s, put_s
 
 
-def print_table(cells: list[Cell], compute_s: float) -> None:
-    print(f"{'producer':<9}{'P/C':>5}{'P ms':>7}{'P alone ms':>12}" + "".join(f"{n:>13}" for n in LOOPS))
+def print_table(cells: list[Cell]) -> None:
+    header = f"{'producer':<9}{'P/C':>5}{'P ms':>7}{'P alone':>9}{'C ms':>7}"
+    print(header + "".join(f"{name:>13}" for name in LOOPS))
     for cell in cells:
-        row = f"{cell.kind:<9}{cell.multiple:>5.1f}{cell.nominal_s * 1e3:>7.2f}{cell.producer_s * 1e3:>12.2f}"
-        print(row + "".join(f"{cell.efficiency(name, compute_s):>13.2f}" for name in LOOPS))
+        row = (
+            f"{cell.kind:<9}{cell.multiple:>5.1f}{cell.nominal_s * 1e3:>7.2f}"
+            f"{cell.producer_s * 1e3:>9.2f}{cell.compute_s * 1e3:>7.2f}"
+        )
+        print(row + "".join(f"{cell.efficiency(name):>13.2f}" for name in LOOPS))
     print(
-        "efficiency = max(P alone, C) / time per step: median over reps. 'P alone' is the producer's "
-        "time per batch measured by itself."
+        "efficiency = max(P alone, C) / time per step, median over reps of the per-rep ratio. 'P alone' "
+        "(ms): the producer's time\nper batch measured by itself; C: the same loop on a batch already on "
+        "the device, timed in the same rep (median shown)."
     )
 
 
-def print_goals(cells: list[Cell], compute_s: float) -> None:
+def print_goals(cells: list[Cell]) -> None:
     for kind, goal in (("I/O", IO_GOAL), ("CPU", CPU_CEILING)):
-        worst = min(cell.efficiency("jaxstrategy", compute_s) for cell in cells if cell.kind == kind)
+        worst = min(cell.efficiency("jaxstrategy") for cell in cells if cell.kind == kind)
         verdict = "met" if worst >= goal else "NOT met"
         print(f"goal {kind}-bound: jaxstrategy >= {goal:.2f} at every P: {verdict} (worst {worst:.2f})")
 
@@ -345,9 +408,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     workload = make_workload()
-    compute_s = measure_compute(workload, 30 if args.quick else 100)
+    measure_compute = compute_timer(workload)
+    compute_s = measure_compute(30 if args.quick else 100)
     work = CpuWork()
     loops = {
+        COMPUTE: compute_loop(workload),
         "plain": plain_loop(workload),
         "flax": flax_loop(workload),
         "jaxstrategy": jaxstrategy_loop(workload),
@@ -358,24 +423,24 @@ def main() -> None:
     for loop in loops.values():
         loop(warm_up, 2)
     compiles = count_compiles()
-    copy_s = measure_copy_cost(200)
+    copy_s, put_s = measure_placement_cost(jaxstrategy.OneDeviceStrategy().sharding, 200)
     print(
-        f"jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0]}; "
-        f"C = {compute_s * 1e3:.2f} ms; {args.steps} timed steps per pass, {args.reps} reps per cell; "
-        f"CPU work unit {work.unit_s * 1e6:.1f} us"
+        f"jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0]}; C = {compute_s * 1e3:.2f} "
+        f"ms; {args.steps} timed steps per pass, {args.reps} reps per cell"
     )
     print(
-        f"host copy jaxstrategy makes of each writeable batch: {copy_s * 1e6:.1f} us "
-        f"({copy_s / compute_s:.1%} of C)\n"
+        f"jaxstrategy's input thread, per writeable numpy batch: host copy {copy_s * 1e6:.0f} us "
+        f"({copy_s / compute_s:.1%} of C), then device_put {put_s * 1e6:.0f} us "
+        f"({put_s / compute_s:.1%} of C)\n"
     )
     cells = [
-        measure_cell(kind, multiple, compute_s, work, loops, args.steps, args.reps)
+        measure_cell(kind, multiple, measure_compute, work, loops, args.steps, args.reps)
         for kind in KINDS
         for multiple in P_MULTIPLES
     ]
-    print_table(cells, compute_s)
+    print_table(cells)
     print(f"XLA compiles while timed: {compiles['backend']}")
-    print_goals(cells, compute_s)
+    print_goals(cells)
 
 
 if __name__ == "__main__":

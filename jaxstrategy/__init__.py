@@ -29,7 +29,7 @@ from jaxstrategy._src.strategy import Strategy as Strategy
 __version__ = "0.1.0"
 
 # Submodules with heavy imports load on first use: orbax alone takes seconds to import.
-_LAZY_SUBMODULES = ("checkpoint",)
+_LAZY_SUBMODULES = ("checkpoint", "testing")
 
 
 def __getattr__(name: str) -> object:

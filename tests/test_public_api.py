@@ -70,6 +70,14 @@ def test_checkpoint_module_is_pinned():
         assert ">>>" in getattr(checkpoint, name).__doc__, name
 
 
+def test_testing_module_is_pinned():
+    from jaxstrategy import testing
+
+    assert testing.__all__ == ("assert_tree_on_strategy", "force_cpu_devices")
+    assert all(">>>" in getattr(testing, name).__doc__ for name in testing.__all__)
+    assert jaxstrategy.testing is testing
+
+
 def test_importing_jaxstrategy_does_not_import_orbax():
     import subprocess
     import sys

@@ -1,0 +1,47 @@
+"""The pytest plugin installed with jaxstrategy: strategy fixtures with no conftest needed.
+
+Registered through the `pytest11` entry point. A fixture of the same name in a user's conftest
+or module overrides these, as pytest always lets local fixtures override plugins. Nothing here
+starts JAX's backends at import, so a conftest can still force CPU devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import pytest
+
+from jaxstrategy._src.one_device import OneDeviceStrategy
+from jaxstrategy._src.strategy import Strategy
+
+
+def _one_device_default() -> Strategy:
+    return OneDeviceStrategy()
+
+
+def _one_device_other() -> Strategy:
+    devices = jax.local_devices()
+    if len(devices) < 2:
+        pytest.skip("needs a second local device (jaxstrategy.testing.force_cpu_devices(2) in conftest)")
+    return OneDeviceStrategy(devices[-1])
+
+
+# Every strategy this process can build, by test id. The second one is not JAX's default
+# device, so code that places arrays on the default device instead of the strategy's fails.
+STRATEGY_FACTORIES: dict[str, Callable[[], Strategy]] = {
+    "OneDeviceStrategy(default)": _one_device_default,
+    "OneDeviceStrategy(other)": _one_device_other,
+}
+
+
+@pytest.fixture
+def one_device_strategy() -> Strategy:
+    """A `OneDeviceStrategy` on JAX's default device."""
+    return OneDeviceStrategy()
+
+
+@pytest.fixture(params=list(STRATEGY_FACTORIES))
+def strategy(request: pytest.FixtureRequest) -> Strategy:
+    """Every strategy this process can build; a test using it runs once with each."""
+    return STRATEGY_FACTORIES[request.param]()
