@@ -1,31 +1,39 @@
-# The README's commands. Each target sets itself up from nothing: `make test` on a fresh clone
-# creates .venv, installs the project with its extras, lints, then runs the tests and doctests.
+# The README's commands. Each target sets itself up from nothing: `make demo` and `make test` on a
+# fresh clone create .venv, install the project with the extras they need, then run.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
-	touch $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python examples/spec_tour.py
+# One stamp per set of extras, so `make demo` does not install the linters.
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[test,lint,demo]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/train_digits.py
 
 test: lint
 	$(BIN)/python -m pytest
 
-lint: $(STAMP)
+lint: $(VENV)/.test-installed
 	$(BIN)/ruff check jaxstrategy tests bench examples conftest.py
 	$(BIN)/ruff format --check jaxstrategy tests bench examples conftest.py
 	$(BIN)/mypy jaxstrategy
 
-bench: $(STAMP)
+bench: $(VENV)/.test-installed
 	$(BIN)/python bench/run_overhead.py
+	$(BIN)/python bench/input_pipeline.py
+	$(BIN)/python bench/checkpoint.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info demo_output

@@ -1,0 +1,61 @@
+"""The demo (`make demo`) trains, reports, checkpoints and plots; run here for one short epoch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+from jaxstrategy import checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO = REPO_ROOT / "examples" / "train_digits.py"
+
+
+def _run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEMO), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_one_short_epoch_prints_and_writes_what_it_says(tmp_path):
+    done = _run_demo("--epochs", "1", "--output-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "OneDeviceStrategy(device=CpuDevice(id=0)): 1437 training and 360 test images"
+    assert lines[1].startswith("epoch 1: loss ") and ", test accuracy 0." in lines[1]
+    assert "; restored from the checkpoint of epoch 1: " in lines[2]
+    trained, restored = (
+        lines[2].removeprefix("test accuracy ").split("; restored from the checkpoint of epoch 1: ")
+    )
+    assert trained == restored, "the restored checkpoint scores exactly what the trained model did"
+    assert lines[-1] in ("reached the target accuracy of 0.95", "did NOT reach the target accuracy of 0.95")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = checkpoint.restore(tmp_path / "checkpoints")
+    assert saved["model"]["hidden1"]["kernel"]["value"].shape == (64, 256)
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(saved))
+
+    again = _run_demo("--epochs", "1", "--output-dir", str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    assert "resumed from the checkpoint of epoch 0" in again.stdout
+    assert "epoch 2: loss " in again.stdout
+
+
+def test_help_explains_the_flags():
+    done = _run_demo("--help")
+    for flag in ("--device", "--epochs", "--batch-size", "--output-dir"):
+        assert flag in done.stdout
+
+
+def test_bad_flags_are_clear_errors(tmp_path):
+    done = _run_demo("--device", "/cpu:99", "--output-dir", str(tmp_path))
+    assert done.returncode != 0 and "no such device" in done.stderr and "Traceback" not in done.stderr
+    done = _run_demo("--epochs", "0")
+    assert done.returncode == 2 and "--epochs must be at least 1" in done.stderr
