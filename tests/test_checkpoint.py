@@ -126,6 +126,23 @@ def test_a_mismatched_target_names_every_differing_leaf_and_restores_nothing(tmp
     assert isinstance(info.value, ValueError)
 
 
+def test_python_numbers_save_as_jax_would_type_them(tmp_path):
+    checkpoint.save(tmp_path, {"step": 3, "rate": 0.5})
+    for target in ({"step": 0, "rate": 0.0}, {"step": jnp.asarray(0), "rate": jnp.asarray(0.0)}):
+        restored = checkpoint.restore(tmp_path, target=target)
+        assert (restored["step"].tolist(), restored["step"].dtype) == (3, jnp.int32)
+        assert (restored["rate"].tolist(), restored["rate"].dtype) == (0.5, jnp.float32)
+
+
+def test_a_target_leaf_that_is_not_an_array_is_reported_once(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    with pytest.raises(checkpoint.CheckpointMismatchError) as info:
+        checkpoint.restore(tmp_path, target={"w": "weights"})
+    assert str(info.value).endswith(
+        "nothing was restored:\n  w: the target leaf is a str, not an array or ShapeDtypeStruct"
+    )
+
+
 def test_a_target_expecting_keys_where_plain_arrays_were_saved(tmp_path):
     checkpoint.save(tmp_path, {"k": jnp.zeros(2, jnp.uint32)})
     with pytest.raises(

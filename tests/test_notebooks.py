@@ -20,6 +20,11 @@ CELL_TIMEOUT_S = 600
 # Lines a notebook must print or display, by file name.
 EXPECTED_LINES = {
     "quickstart.ipynb": ["90"],  # The spec's step_fn loop: print(result)  # 90
+    "save_and_load.ipynb": [
+        "restored step: 60",  # The newest of the steps the Checkpointer kept.
+        "{(CpuDevice(id=1), True)}",  # Every restored leaf: (device, committed) under the new strategy.
+        "loss after restore below the initial loss: True",  # Training resumed, not restarted.
+    ],
 }
 
 

@@ -292,13 +292,23 @@ def _is_prng_key(leaf: Any) -> bool:
 
 
 def _split_prng_keys(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
-    """Replace typed PRNG key leaves by their raw data; return the map of their paths to impls."""
+    """Replace typed PRNG keys by their raw data and Python numbers by arrays; map key paths to impls."""
     impls = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if _is_prng_key(leaf):
             impls[_path_string(path)] = str(jax.random.key_impl(leaf))
-    state = jax.tree.map(lambda x: jax.random.key_data(x) if _is_prng_key(x) else x, tree)
+    state = jax.tree.map(_savable, tree)
     return state, impls
+
+
+def _savable(leaf: Any) -> Any:
+    if _is_prng_key(leaf):
+        return jax.random.key_data(leaf)
+    if isinstance(leaf, bool | int | float | complex):
+        # As JAX would type it (int32, float32), so a target of jnp.asarray(...) or the same
+        # Python number matches; orbax alone would save a Python int as int64.
+        return jnp.asarray(leaf)
+    return leaf
 
 
 def _path_string(path: tuple[Any, ...]) -> str:
@@ -361,12 +371,16 @@ def _abstract_target(
 ) -> PyTree:
     problems = []
     wanted = {}
+    unusable: set[str] = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _path_string(path)
+        if isinstance(leaf, bool | int | float | complex):
+            leaf = jnp.asarray(leaf)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             problems.append(
                 f"{name}: the target leaf is a {type(leaf).__name__}, not an array or ShapeDtypeStruct"
             )
+            unusable.add(name)  # Reported once, not again as missing from the target.
             continue
         shape, dtype = tuple(leaf.shape), leaf.dtype
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):
@@ -380,7 +394,7 @@ def _abstract_target(
         wanted[name] = (shape, np.dtype(dtype))
     for name in sorted(wanted.keys() - saved.keys()):
         problems.append(f"{name}: in the target, not in the checkpoint")
-    for name in sorted(saved.keys() - wanted.keys()):
+    for name in sorted(saved.keys() - wanted.keys() - unusable):
         problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
     for name in sorted(wanted.keys() & saved.keys()):
         if wanted[name] != saved[name]:
