@@ -132,6 +132,42 @@ def test_non_numeric_leaves_are_an_error_at_their_step():
         next(iterator)
 
 
+def test_a_dict_dataset_is_an_error_with_a_hint():
+    with pytest.raises(
+        TypeError, match=r"the dataset is a dict, whose iteration yields its keys. Pass a list of batches"
+    ):
+        OneDeviceStrategy().experimental_distribute_dataset({"x": np.ones((4, 2))})
+
+
+def test_host_batches_are_numpy_whatever_the_source_leaves_are():
+    options = InputOptions(experimental_fetch_to_device=False)
+    source = [{"jax": jnp.ones(2), "int": 3, "numpy": np.zeros(1)}]
+    (batch,) = list(OneDeviceStrategy().experimental_distribute_dataset(source, options))
+    assert all(isinstance(leaf, np.ndarray) for leaf in batch.values())
+
+
+def test_a_failed_element_spec_does_not_empty_the_next_pass():
+    class FailsOnce:
+        def __init__(self):
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            if self.passes == 1:
+                raise OSError("flaky storage")
+            return iter([np.ones(2)] * 3)
+
+    dataset = OneDeviceStrategy().experimental_distribute_dataset(FailsOnce())
+    with pytest.raises(OSError, match="flaky storage"):
+        dataset.element_spec  # noqa: B018
+    assert len(list(dataset)) == 3
+
+
+def test_an_empty_dataset_has_no_element_spec():
+    with pytest.raises(ValueError, match=r"This distributed dataset is empty, so it has no element_spec"):
+        OneDeviceStrategy().experimental_distribute_dataset([]).element_spec  # noqa: B018
+
+
 def test_a_non_iterable_dataset_is_an_error():
     with pytest.raises(
         TypeError,

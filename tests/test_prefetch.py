@@ -65,6 +65,26 @@ def test_an_error_from_put_arrives_too():
         next(iterator)
 
 
+def test_a_failing_put_closes_the_generator():
+    cleaned_up = threading.Event()
+
+    def source():
+        try:
+            yield from range(100)
+        finally:
+            cleaned_up.set()
+
+    def put(x):
+        if x == 2:
+            raise ValueError("bad element")
+        return x
+
+    iterator = PrefetchIterator(source(), put=put, buffer_size=2)
+    with pytest.raises(ValueError, match="bad element"):
+        list(iterator)
+    assert cleaned_up.wait(THREAD_END_TIMEOUT_S)
+
+
 def test_the_thread_ends_with_the_source():
     iterator = PrefetchIterator(iter([1, 2, 3]), put=lambda x: x, buffer_size=2)
     assert list(iterator) == [1, 2, 3]

@@ -20,9 +20,9 @@ def strategy():
     return OneDeviceStrategy("/cpu:1")
 
 
-class Mode(enum.IntEnum):
-    TRAIN = 0
-    EVAL = 1
+class Mode(enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,29 @@ def test_non_array_arguments_are_static_and_select_code(strategy):
     assert strategy.run(step, args=(5.0, Mode.TRAIN, Config(3.0))).tolist() == 15.0
     assert strategy.run(step, args=(2.0, Mode.EVAL, Config(3.0)), kwargs={"name": "b"}).tolist() == -6.0
     assert len(traces) == 2, "a new static value compiles once; a new array value never does"
+
+
+def test_a_plain_enum_alone_is_static_and_an_int_enum_is_traced_as_jax_jit_does(strategy):
+    class Level(enum.IntEnum):
+        LOW = 1
+        HIGH = 2
+
+    def scale(x, mode):
+        return x * 2 if mode is Mode.EVAL else x
+
+    assert strategy.run(scale, args=(jnp.ones(2), Mode.EVAL)).tolist() == [2.0, 2.0]
+    assert strategy.run(scale, args=(jnp.ones(2), Mode.TRAIN)).tolist() == [1.0, 1.0]
+    traced = []
+    strategy.run(lambda x, level: traced.append(level) or x * level, args=(1.0, Level.HIGH))
+    assert isinstance(traced[0], jax.core.Tracer)
+
+
+def test_equal_static_numbers_of_different_types_compile_separately(strategy):
+    def full(value):
+        return jnp.full((2,), value)
+
+    dtypes = [strategy.init(full, value).dtype for value in (1, 1.0, True)]
+    assert dtypes == [jnp.int32, jnp.float32, jnp.bool_]
 
 
 def test_the_first_call_with_static_leaves_then_array_only_calls(strategy):
@@ -126,6 +149,58 @@ def test_callable_objects_are_keyed_by_identity(strategy):
     assert strategy.run(Scale(5.0), args=(3.0,)).tolist() == 15.0
 
 
+def test_dropped_functions_and_models_are_freed_with_their_entries(strategy):
+    import gc
+    import weakref
+
+    class Model:
+        def __init__(self):
+            self.weights = jnp.ones((256, 256))
+
+        def step(self, x):
+            return x @ self.weights
+
+    model = Model()
+    strategy.run(model.step, args=(jnp.ones(256),))
+    weights = jnp.ones(8)
+
+    def closure(x):
+        return x + weights
+
+    strategy.run(closure, args=(jnp.ones(8),))
+    alive = [weakref.ref(model), weakref.ref(closure)]
+    entries_before = len(strategy._run_steps._entries)
+    del model, closure
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    assert len(strategy._run_steps._entries) == entries_before - 2
+
+
+def test_methods_of_several_objects_and_option_variants_do_not_warn(strategy):
+    class Model:
+        def step(self, x):
+            return x + 1
+
+    models = [Model() for _ in range(4)]
+    for model in models:
+        strategy.run(model.step, args=(jnp.ones(2),))
+    for argnums in ((), 0):
+        strategy.run(_sgd, args=(jnp.ones(2), jnp.ones(2)), options=RunOptions(donate_argnums=argnums))
+    strategy.run(_sgd, args=(jnp.ones(2), jnp.ones(2)), options=RunOptions(donate_argnames=()))
+
+
+def test_tracing_errors_point_at_the_users_function(strategy):
+    def needs_a_concrete_flag(x, training):
+        if training:
+            return x
+        return -x
+
+    with pytest.raises(
+        jax.errors.TracerBoolConversionError, match=r"needs_a_concrete_flag at .*test_step_cache.py"
+    ):
+        strategy.run(needs_a_concrete_flag, args=(1.0, True))
+
+
 def test_the_cache_is_bounded(strategy, monkeypatch):
     monkeypatch.setattr(step_cache, "_MAX_ENTRIES", 3)
     functions = [eval(f"lambda x: x + {i}") for i in range(5)]  # distinct code: no warning
@@ -181,6 +256,14 @@ def test_donating_an_argument_that_is_not_passed_is_an_error(strategy):
         match=r"donates arguments that this call does not pass \(donate_argnums position 2, donate_argnames name 'state'\)",
     ):
         strategy.run(_sgd, args=(1.0, 1.0), options=RunOptions(donate_argnums=2, donate_argnames="state"))
+
+
+def test_donated_python_numbers_are_not_mistaken_for_a_shared_buffer(strategy):
+    def add(tree, y):
+        return {"a": tree["a"] + y, "b": tree["b"] + y}  # Outputs like the donated inputs: reusable.
+
+    out = strategy.run(add, args=({"a": 1, "b": 1}, 1), options=RunOptions(donate_argnums=0))
+    assert (out["a"].tolist(), out["b"].tolist()) == (2, 2)
 
 
 def test_donation_with_static_leaves_and_no_recompile(strategy):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.prefetch import PrefetchIterator
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree
+from jaxstrategy._src.variables import private_copy
 
 # TensorFlow's cardinality constants (tf.data.INFINITE_CARDINALITY, tf.data.UNKNOWN_CARDINALITY).
 INFINITE_CARDINALITY = -1
@@ -56,13 +57,12 @@ class _Batch:
 
 
 class BatchPlacer:
-    """Turns a host batch into arrays on `sharding` (or host numpy arrays when `sharding` is None).
+    """Turns a host batch into arrays on `sharding`, or into numpy arrays when `sharding` is None.
 
     Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
-    TensorFlow tensors included). A writeable numpy array is copied before it is handed to
-    `jax.device_put`: on CPU JAX may share its memory, and on accelerators the transfer may still
-    be reading it, so a source that refills one buffer for every batch would otherwise change
-    batches already delivered. Read-only arrays and jax arrays are not copied.
+    TensorFlow tensors included). A writeable numpy array is copied before it is handed on (see
+    `variables.private_copy`), so a source that refills one buffer for every batch cannot change
+    batches already delivered.
     """
 
     def __init__(self, sharding: jax.sharding.Sharding | None):
@@ -74,8 +74,11 @@ class BatchPlacer:
         bad = [i for i, leaf in enumerate(host) if leaf is None]
         if bad:
             raise TypeError(_describe_bad_leaves(element, bad))
-        private = [_private_copy(leaf) for leaf in host]
-        placed = private if self._sharding is None else jax.device_put(private, self._sharding)
+        private = [private_copy(leaf) for leaf in host]
+        if self._sharding is None:
+            placed = [np.asarray(leaf) for leaf in private]
+        else:
+            placed = jax.device_put(private, self._sharding)
         signature = _Signature(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
         return _Batch(jax.tree.unflatten(treedef, placed), signature)
 
@@ -97,12 +100,6 @@ def _dtype_of(leaf: Any) -> np.dtype:
     return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
-def _private_copy(leaf: Any) -> Any:
-    if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
-        return leaf.copy()
-    return leaf
-
-
 def _describe_bad_leaves(element: PyTree, positions: list[int]) -> str:
     paths = jax.tree_util.tree_flatten_with_path(element)[0]
     lines = [f"{format_path('batch', paths[i][0])} is a {type(paths[i][1]).__name__}" for i in positions]
@@ -122,6 +119,12 @@ def host_passes(dataset: Any, *, caller: str) -> tuple[Callable[[], Iterator[Any
     as_numpy = getattr(dataset, "as_numpy_iterator", None)
     if callable(as_numpy):  # tf.data.Dataset: its elements as numpy, without importing TensorFlow.
         return as_numpy, False
+    if isinstance(dataset, Mapping):
+        raise TypeError(
+            f"{caller}: the dataset is a {type(dataset).__name__}, whose iteration yields its keys. "
+            "Pass a list of batches (each batch may be a dict), or a generator of them; to slice "
+            "arrays into batches, e.g. [{k: v[i:i + n] for k, v in d.items()} for i in range(0, len, n)]."
+        )
     if isinstance(dataset, Iterator):  # A generator object or another one-shot iterator.
         return (lambda: dataset), True
     if isinstance(dataset, Iterable) or hasattr(dataset, "__getitem__"):
@@ -174,8 +177,7 @@ class DistributedDataset:
         self._placer = BatchPlacer(sharding if options.experimental_fetch_to_device else None)
         self._passes_started = 0
         self._next_pass: DistributedIterator | None = None
-        self._element_spec: PyTree | None = None
-        self.warned_about_shapes = False
+        self._batches = _BatchTracker(sharding if options.experimental_fetch_to_device else None)
 
     def __iter__(self) -> DistributedIterator:
         if self._next_pass is not None:
@@ -191,7 +193,7 @@ class DistributedDataset:
         prefetch = PrefetchIterator(
             self._start_pass(), self._placer, self._options.experimental_per_replica_buffer_size
         )
-        return DistributedIterator(self, prefetch)
+        return DistributedIterator(prefetch, self._batches)
 
     def __len__(self) -> int:
         if self._cardinality < 0:
@@ -211,18 +213,56 @@ class DistributedDataset:
         """The first batch's structure: a pytree of `jax.ShapeDtypeStruct` with the sharding.
 
         Reading it before iterating reads one batch early; that pass is then the next `iter()`.
-        """
-        if self._element_spec is None:
-            self._next_pass = iter(self)
-            self._next_pass.element_spec  # noqa: B018  Sets self._element_spec as a side effect.
-        return self._element_spec
 
-    def _record_spec(self, batch: _Batch) -> None:
-        if self._element_spec is None:
-            sharding = self._sharding if self._options.experimental_fetch_to_device else None
-            self._element_spec = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=sharding), batch.value
+        Raises:
+          ValueError: the dataset is empty.
+        """
+        if self._batches.element_spec is None:
+            iterator = iter(self)
+            try:
+                spec = iterator.element_spec
+            except BaseException:
+                iterator.close()  # A failed peek must not leave a dead pass for the next iter().
+                raise
+            self._next_pass = iterator
+            return spec
+        return self._batches.element_spec
+
+
+class _BatchTracker:
+    """What the passes over one dataset learn from its batches: the element spec, and whether
+    shapes change mid-stream (worth one warning per dataset)."""
+
+    def __init__(self, sharding: jax.sharding.Sharding | None):
+        self._sharding = sharding
+        self.element_spec: PyTree | None = None
+        self._first: _Signature | None = None
+        self._warned = False
+
+    def record(self, batch: _Batch) -> None:
+        if self.element_spec is None:
+            self._first = batch.signature
+            self.element_spec = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=self._sharding),
+                batch.value,
             )
+
+    def differs(self, batch: _Batch, *, previous_differed: bool) -> bool:
+        """Record `batch`; warn if the batch before it changed shape; return whether this one did.
+
+        A new shape recompiles the step. A different last batch (a partial one) costs one compile
+        and is normal, so only a changed batch followed by more batches is worth a warning.
+        """
+        self.record(batch)
+        if previous_differed and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "The batches of this distributed dataset change shape or dtype mid-stream "
+                f"(first: {_describe(self._first)}). Each new shape compiles the step function anew. "
+                "Pad or bucket batches to a few fixed shapes.",
+                stacklevel=caller_stacklevel(),
+            )
+        return batch.signature != self._first
 
 
 class DistributedIterator:
@@ -244,11 +284,10 @@ class DistributedIterator:
       ([0.0, 0.0], True, [1.0, 1.0], False)
     """
 
-    def __init__(self, dataset: DistributedDataset, prefetch: PrefetchIterator[_Batch]):
-        self._dataset = dataset
+    def __init__(self, prefetch: PrefetchIterator[_Batch], batches: _BatchTracker):
         self._prefetch = prefetch
-        self._first_signature: _Signature | None = None
-        self._previous_differs = False
+        self._batches = batches
+        self._previous_differed = False
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -260,7 +299,7 @@ class DistributedIterator:
                 "strategy.run(step_fn, args=(next(iterator),))."
             )
         batch = next(self._prefetch)
-        self._check_shapes(batch)
+        self._previous_differed = self._batches.differs(batch, previous_differed=self._previous_differed)
         return batch.value
 
     def get_next(self) -> PyTree:
@@ -282,10 +321,17 @@ class DistributedIterator:
 
     @property
     def element_spec(self) -> PyTree:
-        """The dataset's batch structure: a pytree of `jax.ShapeDtypeStruct` with the sharding."""
-        if self._dataset._element_spec is None:
-            self._dataset._record_spec(self._prefetch.peek())
-        return self._dataset._element_spec
+        """The dataset's batch structure: a pytree of `jax.ShapeDtypeStruct` with the sharding.
+
+        Raises:
+          ValueError: the dataset is empty.
+        """
+        if self._batches.element_spec is None:
+            try:
+                self._batches.record(self._prefetch.peek())
+            except StopIteration:
+                raise ValueError("This distributed dataset is empty, so it has no element_spec.") from None
+        return self._batches.element_spec
 
     def close(self) -> None:
         """Stop the background thread and drop the batches it prefetched."""
@@ -297,25 +343,10 @@ class DistributedIterator:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _check_shapes(self, batch: _Batch) -> None:
-        # A new shape recompiles the step. A different last batch (a partial one) costs one compile
-        # and is normal, so only a changed batch followed by more batches is worth a warning.
-        if self._first_signature is None:
-            self._first_signature = batch.signature
-            self._dataset._record_spec(batch)
-            return
-        if self._previous_differs and not self._dataset.warned_about_shapes:
-            self._dataset.warned_about_shapes = True
-            warnings.warn(
-                "The batches of this distributed dataset change shape or dtype mid-stream "
-                f"(first: {_describe(self._first_signature)}). Each new shape compiles the step "
-                "function anew. Pad or bucket batches to a few fixed shapes.",
-                stacklevel=caller_stacklevel(),
-            )
-        self._previous_differs = batch.signature != self._first_signature
 
-
-def _describe(signature: _Signature) -> str:
+def _describe(signature: _Signature | None) -> str:
+    if signature is None:
+        return "none"
     return ", ".join(f"{dtype.name}{list(shape)}" for shape, dtype in signature.shapes_and_dtypes)
 
 

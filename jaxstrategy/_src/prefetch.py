@@ -79,8 +79,8 @@ def _produce(source: Iterator[Any], put: Callable[[Any], Any], channel: _Channel
         channel.items.put(_Failure(error))
     finally:
         close = getattr(source, "close", None)
-        if callable(close) and channel.stopped.is_set():
-            close()  # Ends a generator source early, running its finally blocks in this thread.
+        if callable(close):
+            close()  # Ends a generator source stopped early, running its finally blocks here.
 
 
 class PrefetchIterator(Generic[T]):

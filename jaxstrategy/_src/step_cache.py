@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from typing import Any, cast
@@ -42,14 +43,24 @@ _STATIC, _KEPT, _DONATED = 0, 1, 2
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 
-# Functions and bound methods hash by identity (of the function, and of the method's object),
-# which is exactly when a compiled wrapper can be reused. Other callables may define equality by
-# value, so they are keyed by id and held alive by their entry.
-_IDENTITY_HASHED = (types.FunctionType, types.MethodType)
+
+def function_key(fn: Callable[..., Any]) -> Hashable:
+    """The identity of a step function, which keeps no reference to it.
+
+    A bound method is made afresh at every `obj.method` access, so it is identified by its object
+    and function; anything else by itself. The key stays unique while the function (or the
+    method's object) lives: `StepCache` drops a function's entries when it is collected.
+    """
+    if type(fn) is types.MethodType:
+        return (id(fn.__self__), id(fn.__func__))
+    return id(fn)
 
 
 class StepCache:
     """Compiled step functions of one strategy, each traced once.
+
+    Entries hold their functions (and bound methods' objects) weakly, so a model or closure that
+    the program drops is freed, with its device arrays, and its entries go with it.
 
     Args:
       sharding: where inputs are placed and outputs committed.
@@ -60,9 +71,10 @@ class StepCache:
         them (for `init`, whose integer arguments are usually sizes).
 
     Attributes:
-      fast: for each function whose last call had only array-like positional arguments and no
-        options, its compiled wrapper, to be called as `fast[fn](*args)`; a `TypeError` from
-        that call means some argument was not an array, and the call belongs to `__call__`.
+      fast: maps `function_key(fn)` to the compiled wrapper of each function whose last call had
+        only array-like positional arguments and no options, to be called as `fast[key](*args)`;
+        a `TypeError` from that call means some argument was not an array, and the call belongs
+        to `__call__`.
     """
 
     def __init__(
@@ -73,7 +85,7 @@ class StepCache:
         caller: str,
         scalars_are_static: bool = False,
     ):
-        self.fast: dict[Any, Callable[..., Any]] = {}
+        self.fast: dict[Hashable, Callable[..., Any]] = {}
         self._sharding = sharding
         self._trace_context = trace_context
         self._caller = caller
@@ -84,13 +96,12 @@ class StepCache:
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
     ) -> PyTree:
-        identity_keyed = type(fn) in _IDENTITY_HASHED
-        key: Any = fn if identity_keyed else id(fn)
-        if options is not None and (options.donate_argnums or options.donate_argnames):
-            key = (key, options.donate_argnums, options.donate_argnames)
+        fn_key = function_key(fn)
+        donating = options is not None and bool(options.donate_argnums or options.donate_argnames)
+        key = (fn_key, options.donate_argnums, options.donate_argnames) if donating else fn_key  # type: ignore[union-attr]
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._add(key, fn, options)
+            entry = self._add(key, fn, options, count_towards_warning=not donating)
         if entry.slow_path:
             return entry.call_partitioned(args, kwargs)
         try:
@@ -98,28 +109,45 @@ class StepCache:
         except TypeError:
             # jit rejects non-array arguments before tracing; a TypeError with only array leaves
             # came from the function itself.
-            if all(is_array_like(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+            if not _has_static_leaves((args, kwargs)):
                 raise
             entry.slow_path = True
             self.fast.pop(key, None)
             return entry.call_partitioned(args, kwargs)
-        if not kwargs and identity_keyed:  # Donation never gets here: it is always slow_path.
+        if not kwargs:  # Donation never gets here: it is always slow_path.
             self.fast[key] = entry.positional
         return result
 
-    def _add(self, key: Hashable, fn: StepFn, options: RunOptions | None) -> _CompiledStep:
+    def _add(
+        self, key: Hashable, fn: StepFn, options: RunOptions | None, *, count_towards_warning: bool
+    ) -> _CompiledStep:
         if len(self._entries) >= _MAX_ENTRIES:
-            oldest = next(iter(self._entries))
-            del self._entries[oldest]
-            self.fast.pop(oldest, None)
-        self._warn_on_repeated_code(fn)
+            self._evict(next(iter(self._entries)))
+        if count_towards_warning:
+            self._warn_on_repeated_code(fn)
         entry = _CompiledStep(
             fn, self._sharding, self._trace_context, self._caller, options, self._scalars_are_static
         )
+        # When the function (or the method's object) is collected, its entry goes too; the id in
+        # the key cannot be reused before then.
+        owner = fn.__self__ if type(fn) is types.MethodType else fn
+        try:
+            entry.finalizer = weakref.finalize(owner, self._evict, key)
+        except TypeError:  # Not weakly referenceable: the entry keeps it alive instead.
+            entry.strong_reference = fn
         self._entries[key] = entry
         return entry
 
+    def _evict(self, key: Hashable) -> None:
+        entry = self._entries.pop(key, None)
+        self.fast.pop(key, None)
+        if entry is not None and entry.finalizer is not None:
+            entry.finalizer.detach()
+
     def _warn_on_repeated_code(self, fn: StepFn) -> None:
+        # Only new function objects are a mistake worth a warning: a lambda, closure or partial
+        # made per call. Methods of several objects, or one function with several options, are
+        # compiled separately on purpose.
         code = _code_of(fn)
         if code is None:
             return
@@ -148,7 +176,8 @@ class _CompiledStep:
         options: RunOptions | None,
         scalars_are_static: bool,
     ):
-        self.fn = fn  # Keeps an id-keyed callable alive while its entry exists.
+        self.finalizer: weakref.finalize[Any, Any] | None = None
+        self.strong_reference: Any = None
         self._caller = caller
         # RunOptions normalises both to sorted tuples.
         self._donate_argnums = cast(tuple[int, ...], () if options is None else options.donate_argnums)
@@ -156,23 +185,27 @@ class _CompiledStep:
         self.scalars_are_static = scalars_are_static
         # Donation and static scalars need the argument leaves sorted in Python on every call.
         self.slow_path = bool(self._donate_argnums or self._donate_argnames) or scalars_are_static
+        resolve = _weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
             with trace_context():
-                return fn(*args)
+                return resolve()(*args)
 
         def call_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
             with trace_context():
-                return fn(*args, **kwargs)
+                return resolve()(*args, **kwargs)
 
         def call_with_static(spec: _StaticSpec, donated: list[Any], kept: list[Any]) -> PyTree:
             args, kwargs = spec.rebuild(donated, kept)
             with trace_context():
-                return fn(*args, **kwargs)
+                return resolve()(*args, **kwargs)
 
-        name = getattr(fn, "__name__", type(fn).__name__)
-        for wrapper in (call_positional, call_packed, call_with_static):
-            wrapper.__name__ = wrapper.__qualname__ = name  # Names the compiled program after fn.
+        source = _source_info(fn)
+        wrappers: tuple[Any, ...] = (call_positional, call_packed, call_with_static)
+        for wrapper in wrappers:
+            # JAX names the compiled program, and points its tracing errors, at the user's code.
+            wrapper.__name__ = wrapper.__qualname__ = source.__name__
+            wrapper.__wrapped__ = source
         self.positional = jax.jit(call_positional, in_shardings=sharding, out_shardings=sharding)
         self.packed = jax.jit(call_packed, in_shardings=sharding, out_shardings=sharding)
         self._partitioned = jax.jit(
@@ -204,9 +237,10 @@ class _CompiledStep:
             elif self._is_donated(path):
                 kinds.append(_DONATED)
                 donated.append(leaf)
-                if id(leaf) in donated_paths:
-                    raise self._donated_twice(donated_paths[id(leaf)], where)
-                donated_paths[id(leaf)] = where
+                if isinstance(leaf, jax.Array):  # Only arrays have buffers; Python numbers are shared.
+                    if id(leaf) in donated_paths:
+                        raise self._donated_twice(donated_paths[id(leaf)], where)
+                    donated_paths[id(leaf)] = where
             else:
                 kinds.append(_KEPT)
                 kept.append(leaf)
@@ -218,9 +252,11 @@ class _CompiledStep:
                 "in the function."
             )
         for path, leaf in path_leaves:
-            if id(leaf) in donated_paths and not self._is_donated(path):
+            if isinstance(leaf, jax.Array) and id(leaf) in donated_paths and not self._is_donated(path):
                 raise self._donated_twice(donated_paths[id(leaf)], _argument_name(path))
-        return _StaticSpec(treedef, tuple(kinds), tuple(static)), donated, kept
+        # Types are part of the key: 1, 1.0 and True are equal but must not share a compilation.
+        typed_static = tuple((type(leaf), leaf) for leaf in static)
+        return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept
 
     def _is_donated(self, path: tuple[Any, ...]) -> bool:
         group, top = path[0], path[1]  # (args, kwargs) -> the position or name.
@@ -253,11 +289,36 @@ class _StaticSpec:
 
     treedef: Any
     kinds: tuple[int, ...]
-    static: tuple[Any, ...]
+    static: tuple[tuple[type, Any], ...]
 
     def rebuild(self, donated: list[Any], kept: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        sources = {_STATIC: iter(self.static), _KEPT: iter(kept), _DONATED: iter(donated)}
+        static = (leaf for _, leaf in self.static)
+        sources = {_STATIC: static, _KEPT: iter(kept), _DONATED: iter(donated)}
         return jax.tree.unflatten(self.treedef, [next(sources[kind]) for kind in self.kinds])
+
+
+def _has_static_leaves(tree: PyTree) -> bool:
+    return not all(is_array_like(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def _weak_resolver(fn: StepFn) -> Callable[[], StepFn]:
+    """A function returning `fn` without keeping it (or a bound method's object) alive."""
+    try:
+        if type(fn) is types.MethodType:
+            function, owner = fn.__func__, weakref.ref(fn.__self__)
+            return lambda: types.MethodType(function, owner())
+        return weakref.ref(fn)  # type: ignore[return-value]
+    except TypeError:  # Not weakly referenceable; StepCache keeps a strong reference instead.
+        return lambda: fn
+
+
+def _source_info(fn: StepFn) -> types.SimpleNamespace:
+    """What JAX reads to name a compiled function and to point errors at its source.
+
+    It holds the code object only (no closure, no object), so it keeps nothing alive.
+    """
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return types.SimpleNamespace(__name__=name, __qualname__=name, __code__=_code_of(fn))
 
 
 def _argument_name(path: tuple[Any, ...]) -> str:
@@ -276,11 +337,8 @@ def _is_hashable(value: Any) -> bool:
 
 
 def _code_of(fn: Any) -> types.CodeType | None:
+    """The code a lambda, function or functools.partial runs; None for other callables."""
     while isinstance(fn, functools.partial):
         fn = fn.func
-    if isinstance(fn, types.MethodType):
-        fn = fn.__func__
-    code = getattr(fn, "__code__", None)
-    if code is None and callable(fn):
-        code = getattr(type(fn).__call__, "__code__", None)
+    code = getattr(fn, "__code__", None) if isinstance(fn, types.FunctionType) else None
     return code if isinstance(code, types.CodeType) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
 
+_MethodType = types.MethodType
 _current_state = contexts.STATE.get
 _OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
 
@@ -198,10 +200,8 @@ class Strategy(abc.ABC):
         # The hot path, kept to a few checks (see step_cache.py): a function already compiled for
         # array arguments, called with a tuple of them, outside run and any other strategy's scope.
         if kwargs is None and options is None and type(args) is tuple:
-            try:
-                compiled = self._compiled_runs.get(fn)
-            except TypeError:  # An unhashable callable object; StepCache keys it by id.
-                compiled = None
+            key = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)  # function_key
+            compiled = self._compiled_runs.get(key)
             if compiled is not None:
                 state = _current_state()
                 if state is _OUTSIDE_EVERY_SCOPE or (

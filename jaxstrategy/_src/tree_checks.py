@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import jax
@@ -20,10 +19,9 @@ def is_array_like(x: Any) -> bool:
     """Whether `x` is a value JAX traces: a JAX or numeric numpy array or scalar, or a Python number.
 
     Everything else (strings, enums, configs, functions) is a static, compile-time value. An
-    `IntEnum` member counts as an enum, not a number: it usually selects code paths.
+    `IntEnum` member is an int, and `jax.jit` traces it like one; use a plain `Enum` for a static
+    choice of code path.
     """
-    if isinstance(x, enum.Enum):
-        return False
     if isinstance(x, _TRACED_TYPES):
         return True
     if isinstance(x, np.ndarray | np.generic):

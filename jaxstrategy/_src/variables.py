@@ -16,9 +16,8 @@ def place_tree(
 ) -> PyTree:
     """Return `tree` with every array-like leaf committed to `sharding`, in one transfer.
 
-    On CPU, `jax.device_put` of a numpy array may share the array's memory (measured: every time
-    for 64-byte-aligned arrays), so a later write to the numpy array would change the variable.
-    Numpy leaves bound for a CPU device are therefore copied first.
+    Writeable numpy leaves are copied first (see `private_copy`), so a later write to the numpy
+    array cannot change the variable.
 
     Args:
       tree: a pytree of array-likes.
@@ -40,12 +39,21 @@ def place_tree(
         require_array_leaves(tree, caller=caller, name="tree")
     leaves, treedef = jax.tree.flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if is_array_like(leaf)]
-    on_cpu = all(device.platform == "cpu" for device in sharding.device_set)  # type: ignore[attr-defined]
-    arrays = [_unaliased(leaves[i]) if on_cpu else leaves[i] for i in positions]
+    arrays = [private_copy(leaves[i]) for i in positions]
     for i, placed in zip(positions, jax.device_put(arrays, sharding), strict=True):
         leaves[i] = placed
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _unaliased(leaf: Any) -> Any:
-    return leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+def private_copy(leaf: Any) -> Any:
+    """`leaf`, or a copy of it that nobody else can write: what is safe to hand to `device_put`.
+
+    On CPU, `jax.device_put` of a numpy array may share its memory (measured: every time for
+    64-byte-aligned arrays, `may_alias=False` notwithstanding), and on accelerators the transfer
+    may still be reading it after the call returns. Either way a later write to the array would
+    change what was placed. Writeable numpy arrays are therefore copied; read-only ones, jax
+    arrays and Python numbers cannot change and are passed as they are.
+    """
+    if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
+        return leaf.copy()
+    return leaf
