@@ -26,9 +26,9 @@ test: lint
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check jaxstrategy tests bench examples conftest.py
-	$(BIN)/ruff format --check jaxstrategy tests bench examples conftest.py
-	$(BIN)/mypy jaxstrategy
+	$(BIN)/ruff check jaxstrategy jaxstrategy_pytest.py tests bench examples conftest.py
+	$(BIN)/ruff format --check jaxstrategy jaxstrategy_pytest.py tests bench examples conftest.py
+	$(BIN)/mypy jaxstrategy jaxstrategy_pytest.py
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python bench/run_overhead.py

@@ -18,17 +18,11 @@ import pytest
 
 import jaxstrategy
 from jaxstrategy import ReduceOp
+from jaxstrategy.testing import assert_tree_on_strategy
 
 
 def _double(x):
     return x * 2
-
-
-def _assert_on_strategy(tree, strategy):
-    for leaf in jax.tree.leaves(tree):
-        assert isinstance(leaf, jax.Array), f"{leaf!r} is not a jax array"
-        assert leaf.committed, f"{leaf!r} is not committed"
-        assert leaf.devices() <= set(strategy.devices), f"{leaf!r} is on {leaf.devices()}"
 
 
 class StrategyConformance:
@@ -52,7 +46,7 @@ class StrategyConformance:
 
     def test_run_outputs_are_committed_arrays_on_the_strategy(self, strategy):
         out = strategy.run(lambda x, y: {"sum": x + y, "scaled": x * 0.5}, args=(np.float32(3), 4))
-        _assert_on_strategy(out, strategy)
+        assert_tree_on_strategy(out, strategy)
 
     def test_run_passes_kwargs_and_accepts_a_list_of_args(self, strategy):
         out = strategy.run(lambda x, *, scale: x * scale, args=[3], kwargs={"scale": 2})
@@ -189,7 +183,7 @@ class StrategyConformance:
         values = strategy.experimental_distribute_values_from_function(lambda _: jnp.arange(10))
         result = strategy.reduce(op, values, axis=0)
         assert result.tolist() == 45 * strategy.num_replicas_in_sync
-        _assert_on_strategy(result, strategy)
+        assert_tree_on_strategy(result, strategy)
 
     @pytest.mark.parametrize("op", ["mean", "Mean", ReduceOp.MEAN], ids=str)
     def test_reduce_mean_along_axis_is_a_float_of_the_global_mean(self, strategy, op):
@@ -396,11 +390,11 @@ class StrategyConformance:
 
     def test_put_commits_every_leaf(self, strategy):
         params = strategy.put({"w": np.ones((2, 3), np.float32), "b": 0.0, "step": np.int32(0)})
-        _assert_on_strategy(params, strategy)
+        assert_tree_on_strategy(params, strategy)
 
     def test_init_creates_outputs_on_the_strategy(self, strategy):
         params = strategy.init(lambda key: {"w": jax.random.normal(key, (4, 4))}, jax.random.key(0))
-        _assert_on_strategy(params, strategy)
+        assert_tree_on_strategy(params, strategy)
 
     def test_checkpoint_round_trip_onto_the_strategy(self, strategy, tmp_path):
         from jaxstrategy import checkpoint
@@ -410,7 +404,7 @@ class StrategyConformance:
         restored = checkpoint.restore(tmp_path, strategy=strategy, target=saved)
         assert restored["w"].tolist() == saved["w"].tolist()
         assert (jax.random.key_data(restored["key"]) == jax.random.key_data(saved["key"])).all()
-        _assert_on_strategy(restored, strategy)
+        assert_tree_on_strategy(restored, strategy)
 
     def test_extended_and_basic_attributes(self, strategy):
         assert strategy.cluster_resolver is None

@@ -184,6 +184,22 @@ def test_saving_a_step_twice_is_an_error(tmp_path):
         checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=3)
 
 
+def test_saving_an_older_step_than_the_newest_is_an_error(tmp_path):
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(10, {"w": jnp.ones(1)})
+        with pytest.raises(
+            ValueError, match=r"step 7 is older than the newest saved step 10 .* Save under a step above 10"
+        ):
+            checkpointer.save(7, {"w": jnp.ones(1)})
+
+
+@pytest.mark.parametrize(("tree", "what"), [({}, "holds no array"), (jnp.ones(2), "is a single array")])
+def test_trees_that_cannot_be_saved(tmp_path, tree, what):
+    with pytest.raises(ValueError, match=rf"the tree {what}.* such as \{{'params': params\}}"):
+        checkpoint.save(tmp_path, tree)
+    assert list(tmp_path.iterdir()) == [], "nothing half-written is left behind"
+
+
 def test_save_without_a_step_numbers_them(tmp_path):
     assert [checkpoint.save(tmp_path, {"w": jnp.ones(1)}) for _ in range(3)] == [0, 1, 2]
 

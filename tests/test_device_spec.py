@@ -48,6 +48,13 @@ def test_none_is_the_default_device():
     assert resolve_device(None) == jax.devices()[0]
 
 
+def test_none_follows_jax_default_device():
+    with jax.default_device(jax.devices()[2]):
+        assert resolve_device(None) == jax.devices()[2]
+    with jax.default_device("cpu"):
+        assert resolve_device(None) == jax.devices("cpu")[0]
+
+
 @pytest.mark.parametrize(
     "spec", ["/gpu:0", "GPU:0", "gpu", "cuda:1", "rocm", "tpu:0", "/cpu:5", 7, "/task:1/cpu:0"]
 )

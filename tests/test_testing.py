@@ -95,6 +95,21 @@ _USER_TESTS = textwrap.dedent(
 )
 
 
+def test_the_plugin_does_not_load_jax_into_sessions_that_do_not_use_it(tmp_path):
+    (tmp_path / "test_plain.py").write_text(
+        "import sys\n\ndef test_no_jax():\n    assert 'jax' not in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
+        cwd=tmp_path,
+    )
+    assert "1 passed" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize(("devices", "expected"), [(2, "3 passed"), (1, "2 passed, 1 skipped")])
 def test_the_pytest_plugin_gives_fixtures_without_a_conftest(tmp_path, devices, expected):
     (tmp_path / "test_user.py").write_text(_USER_TESTS)

@@ -111,14 +111,21 @@ class Checkpointer:
 
         Raises:
           TypeError: a leaf is not an array.
+          ValueError: `tree` is a bare array or holds no array; `step` is below the newest step.
           FileExistsError: `step` is saved already.
         """
         _check_step(step, "Checkpointer.save()")
-        require_array_leaves(tree, caller="Checkpointer.save()", name="tree")
+        _check_savable(tree)
         if step in self._manager.all_steps():
             raise FileExistsError(
                 f"Checkpointer.save(): step {step} is already saved in {self._directory}; steps must "
                 "grow. Save under a new step number, or delete that step's directory first."
+            )
+        latest = self._manager.latest_step()
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"Checkpointer.save(): step {step} is older than the newest saved step {latest} in "
+                f"{self._directory}; steps must grow. Save under a step above {latest}."
             )
         state, prng_impls = _split_prng_keys(tree)
         return bool(
@@ -273,6 +280,17 @@ def _manager(
 def _check_step(step: Any, caller: str) -> None:
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
         raise ValueError(f"{caller}: step must be an int >= 0; got {step!r}.")
+
+
+def _check_savable(tree: PyTree) -> None:
+    require_array_leaves(tree, caller="Checkpointer.save()", name="tree")
+    leaves = jax.tree.leaves(tree)
+    if not leaves or jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)):
+        what = "holds no array" if not leaves else "is a single array, not a container of arrays"
+        raise ValueError(
+            f"Checkpointer.save(): the tree {what}. Save a dict (or another pytree) of arrays, "
+            "such as {'params': params}."
+        )
 
 
 def _no_steps_message(directory: Path) -> str:

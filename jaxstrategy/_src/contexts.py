@@ -14,15 +14,14 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import operator
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxstrategy._src.errors import StrategyContextError, format_path
-from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op, mean_dtype, normalize_axis
+from jaxstrategy._src.errors import StrategyContextError
+from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op, axes_of_leaves, mean_dtype
 from jaxstrategy._src.tree_checks import require_array_leaves
 from jaxstrategy._src.types import PyTree
 
@@ -250,13 +249,10 @@ class ReplicaContext:
             where TensorFlow returns the value unchanged, so code fails here as it would on many).
         """
         del options  # See all_reduce.
-        caller = "ReplicaContext.all_gather()"
-        require_array_leaves(value, caller=caller)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+        axes = axes_of_leaves(value, axis, caller="ReplicaContext.all_gather()", single=True)
+        leaves, treedef = jax.tree.flatten(value)
         gathered = []
-        for path, leaf in leaves:
-            where = f"the leaf at {format_path('value', path)}" if path else "the value"
-            (leaf_axis,) = normalize_axis(operator.index(axis), jnp.ndim(leaf), caller=caller, where=where)
+        for leaf, (leaf_axis,) in zip(leaves, axes, strict=True):
             leaf = jnp.asarray(leaf)
             if self._axis_name is not None:
                 leaf = jax.lax.all_gather(leaf, self._axis_name, axis=leaf_axis, tiled=True)

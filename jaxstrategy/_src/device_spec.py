@@ -91,7 +91,16 @@ def resolve_device(
 
 
 def default_device() -> jax.Device:
-    """Return the device JAX computes on by default: this process's first local device."""
+    """Return the device JAX computes on by default.
+
+    That is the `jax_default_device` setting (from `jax.config.update` or a `jax.default_device`
+    block, a device or a platform name) when there is one, else this process's first device.
+    """
+    configured = getattr(jax.config, "jax_default_device", None)  # A device, a platform, or None.
+    if isinstance(configured, jax.Device):
+        return configured
+    if isinstance(configured, str):
+        return jax.local_devices(backend=configured)[0]
     return jax.local_devices()[0]
 
 

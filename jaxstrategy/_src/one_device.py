@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,10 +13,8 @@ import numpy as np
 from jaxstrategy._src import contexts
 from jaxstrategy._src.contexts import ReplicaContext, ValueContext
 from jaxstrategy._src.device_spec import resolve_device
-from jaxstrategy._src.errors import format_path
-from jaxstrategy._src.reduce_op import ReduceOp, normalize_axis, reduce_tree
+from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, reduce_tree
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.tree_checks import require_array_leaves
 from jaxstrategy._src.types import DeviceLike, PyTree
 from jaxstrategy._src.variables import place_tree
 
@@ -107,7 +104,7 @@ class OneDeviceStrategy(Strategy):
           axis: required, as in TensorFlow: None, or the axis (or axes) to reduce within a replica.
 
         Returns:
-          The reduced pytree, committed to the device.
+          With `axis=None`, `value` itself; else the reduced pytree, committed to the device.
 
         Raises:
           ValueError: an unknown reduce op name; an axis out of range for a leaf, or a scalar leaf
@@ -208,13 +205,5 @@ class OneDeviceStrategy(Strategy):
         return reduce_tree(op, placed, axis, caller=caller)  # Raises for leaves that are not arrays.
 
     def _gather(self, value: PyTree, axis: int) -> PyTree:
-        caller = "OneDeviceStrategy.gather()"
-        require_array_leaves(value, caller=caller)
-        try:
-            axis = operator.index(axis)
-        except TypeError:
-            raise TypeError(f"{caller}: axis must be an int; got {axis!r}.") from None
-        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            where = f"the leaf at {format_path('value', path)}" if path else "the value"
-            normalize_axis(axis, np.ndim(leaf), caller=caller, where=where)
+        axes_of_leaves(value, axis, caller="OneDeviceStrategy.gather()", single=True)
         return value

@@ -87,6 +87,39 @@ def normalize_axis(axis: Any, ndim: int, *, caller: str, where: str = "the value
     return normalized
 
 
+def axes_of_leaves(
+    tree: PyTree, axis: Any, *, caller: str, single: bool = False, why: str = ""
+) -> list[tuple[int, ...]]:
+    """Check `axis` against every leaf of `tree`; return each leaf's normalized axes.
+
+    Args:
+      tree: a pytree of array-likes.
+      axis: an int, or (unless `single`) a sequence of ints.
+      caller: the call to name in messages.
+      single: require one int axis, as gathering does.
+      why: appended to the message for leaves that are not arrays.
+
+    Raises:
+      TypeError: a leaf is not an array, or `axis` has the wrong type; every bad leaf is named.
+      ValueError: `axis` does not fit some leaves; every such leaf is named, in one message.
+    """
+    require_array_leaves(tree, caller=caller, why=why)
+    if single and (isinstance(axis, bool) or not isinstance(axis, int | np.integer)):
+        raise TypeError(f"{caller}: axis must be an int; got {axis!r}.")
+    axes, misfits = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"the leaf at {format_path('value', path)}" if path else "the value"
+        try:
+            axes.append(normalize_axis(axis, np.ndim(leaf), caller=caller, where=where))
+        except ValueError as err:
+            misfits.append(str(err).removeprefix(f"{caller}: "))
+    if len(misfits) == 1:
+        raise ValueError(f"{caller}: {misfits[0]}")
+    if misfits:
+        raise ValueError(f"{caller}: axis {axis!r} does not fit these leaves:{bullet_list(misfits)}")
+    return axes
+
+
 def mean_dtype(dtype: Any) -> np.dtype:
     """The dtype `jnp.mean` returns for inputs of `dtype`: floats keep theirs, the rest get JAX's
     default float (float32 unless x64 is on)."""
@@ -107,20 +140,10 @@ def reduce_tree(op: ReduceOp, tree: PyTree, axis: Any, *, caller: str) -> PyTree
       >>> reduce_tree(ReduceOp.MEAN, {'x': jnp.arange(4)}, 0, caller='reduce')['x'].tolist()
       1.5
     """
-    require_array_leaves(tree, caller=caller, why=" to reduce along an axis")
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    axes = []
-    bad_axes = []
-    for path, leaf in leaves:
-        where = f"the leaf at {format_path('value', path)}" if path else "the value"
-        try:
-            axes.append(normalize_axis(axis, np.ndim(leaf), caller=caller, where=where))
-        except ValueError as err:
-            bad_axes.append(str(err).removeprefix(f"{caller}: "))
-    if bad_axes:
-        raise ValueError(f"{caller}: cannot reduce along axis {axis!r}:{bullet_list(bad_axes)}")
+    axes = axes_of_leaves(tree, axis, caller=caller, why=" to reduce along an axis")
+    leaves, treedef = jax.tree.flatten(tree)
     reduce = jnp.sum if op is ReduceOp.SUM else jnp.mean
     reduced = [
-        reduce(jnp.asarray(leaf), axis=leaf_axes) for (_, leaf), leaf_axes in zip(leaves, axes, strict=True)
+        reduce(jnp.asarray(leaf), axis=leaf_axes) for leaf, leaf_axes in zip(leaves, axes, strict=True)
     ]
     return jax.tree.unflatten(treedef, reduced)

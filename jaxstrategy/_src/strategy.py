@@ -135,6 +135,11 @@ class Strategy(abc.ABC):
         on its device (uncommitted, as under `jax.default_device`). Entering the scope of the same
         strategy again is allowed; another strategy's scope, or a scope inside `run`, is an error.
 
+        The current strategy is a context variable, so asyncio tasks inherit it and new threads
+        start without it; JAX's default device is per thread. So when asyncio tasks interleave
+        inside and outside a scope, arrays they create may land on the scope's device; pass
+        arrays through `put` (or `run`) to place them explicitly.
+
         Raises:
           StrategyContextError: (a `RuntimeError`) inside another strategy's scope, or inside
             `run`.
@@ -166,14 +171,17 @@ class Strategy(abc.ABC):
         counts as the same function) and replayed afterwards, so Python side effects in `fn` happen
         only while it is traced. State goes in and comes out: as with `jax.jit`, changes `fn` makes
         in place to its arguments (an `nnx.Optimizer.update`, say) are not carried back, so
-        return the new state and rebind it. While traced, `fn` runs in the replica context:
+        return the new state and rebind it. Likewise a bound method's object is read when the
+        method is traced: later changes to its attributes are not seen. While traced, `fn` runs
+        in the replica context:
         `jaxstrategy.get_replica_context()` gives the replica id and collectives.
 
         Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced
         and placed on the device, so a new Python int does not recompile and arrays committed to
         another device are copied here. Other leaves (strings, enums, configs) are compile-time
-        constants and must be hashable. TensorFlow returns `fn`'s raw Python result; here outputs
-        are jax arrays committed to the device.
+        constants and must be hashable: to branch in Python on a flag, pass a string or an
+        `enum.Enum` member (a Python bool is traced, so `if training:` fails). TensorFlow returns
+        `fn`'s raw Python result; here outputs are jax arrays committed to the device.
 
         Args:
           fn: the function to run; it must return a pytree of arrays.

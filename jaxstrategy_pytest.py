@@ -1,26 +1,35 @@
 """The pytest plugin installed with jaxstrategy: strategy fixtures with no conftest needed.
 
-Registered through the `pytest11` entry point. A fixture of the same name in a user's conftest
-or module overrides these, as pytest always lets local fixtures override plugins. Nothing here
-starts JAX's backends at import, so a conftest can still force CPU devices.
+Registered through the `pytest11` entry point, so pytest loads it in every session of the
+environment. It is a top-level module, outside the `jaxstrategy` package, so that loading it
+imports only pytest; JAX and jaxstrategy load when a test asks for a fixture (a conftest can still
+force CPU devices first, and suites that never use JAX never pay for importing it). A fixture of
+the same name in a user's conftest or module overrides these, as pytest always lets local
+fixtures override plugins.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import jax
 import pytest
 
-from jaxstrategy._src.one_device import OneDeviceStrategy
-from jaxstrategy._src.strategy import Strategy
+if TYPE_CHECKING:
+    from jaxstrategy._src.strategy import Strategy
 
 
 def _one_device_default() -> Strategy:
+    from jaxstrategy._src.one_device import OneDeviceStrategy
+
     return OneDeviceStrategy()
 
 
 def _one_device_other() -> Strategy:
+    import jax
+
+    from jaxstrategy._src.one_device import OneDeviceStrategy
+
     devices = jax.local_devices()
     if len(devices) < 2:
         pytest.skip("needs a second local device (jaxstrategy.testing.force_cpu_devices(2) in conftest)")
@@ -38,7 +47,7 @@ STRATEGY_FACTORIES: dict[str, Callable[[], Strategy]] = {
 @pytest.fixture
 def one_device_strategy() -> Strategy:
     """A `OneDeviceStrategy` on JAX's default device."""
-    return OneDeviceStrategy()
+    return _one_device_default()
 
 
 @pytest.fixture(params=list(STRATEGY_FACTORIES))
