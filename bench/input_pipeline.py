@@ -10,14 +10,22 @@ Three loops run side by side in one process over the same producer:
 * jaxstrategy: `strategy.experimental_distribute_dataset(source)` of a `OneDeviceStrategy`, the
   step called through `strategy.run`.
 
+Two reference passes run beside them: "compute", the same loop on one batch already on the
+device (C as it is at that moment), and "never-blocks", the plain loop reading the loss only after
+its last step, so that JAX's asynchronous dispatch overlaps the producer with queued steps: the
+ceiling the CPU-bound goal refers to.
+
 Producers come in two kinds: I/O-bound (sleeps P per batch, like reading files) and CPU-bound
-(numpy work of about P per batch, calibrated here before the runs), with P = 0, C/2, C and 2C,
-where C is the step's compute time measured first (median of single steps on a batch already on
-the device). Each loop is timed over a fresh pass: a few steps to fill its pipeline, then `--steps`
-timed steps; within every (producer, P) cell the three loops are interleaved, in a rotating order,
-`--reps` times. The table gives the median efficiency max(P, C) / time per step of each cell,
-where P is the producer's own time per batch measured alone (sleep overshoot and the batch copy
-included, so a slow producer is not blamed on the pipeline).
+(numpy work of about P per batch, calibrated before each cell's runs), with P = 0, C/2, C and 2C,
+where C is the step's compute time (median of single steps on a batch already on the device,
+measured at the start and again before each cell, since a shared machine's speed drifts). Each
+loop is timed over a fresh pass: a few steps to fill its pipeline, then `--steps` timed steps;
+within every (producer, P) cell the loops are interleaved, in a rotating order, `--reps` times.
+The table gives, for each cell, the median over reps of max(P, C) / time per step, where P is the
+producer's own time per batch measured alone (sleep overshoot and the batch copy included, so a
+slow producer is not blamed on the pipeline) and C is the "compute" pass of the same rep. It also
+gives the cores that other processes kept busy meanwhile (Linux): cells with much of that are
+measuring them too.
 
 Run it from the repository root:
 
@@ -33,6 +41,7 @@ import collections
 import dataclasses
 import gc
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -63,6 +72,10 @@ QUICK_STEPS, QUICK_REPS = 15, 1
 P_MULTIPLES = (0.0, 0.5, 1.0, 2.0)
 KINDS = ("I/O", "CPU")
 LOOPS = ("plain", "flax", "jaxstrategy")
+# A reference column: the plain loop without the per-step read. The CPU-bound goal is the
+# efficiency such a loop reaches, and on a machine whose speed drifts it must be measured alongside.
+NO_BLOCK = "never-blocks"
+COLUMNS = (*LOOPS, NO_BLOCK)
 # The reference pass timed beside them: the same loop on a batch already on the device, i.e. C now.
 COMPUTE = "compute"
 # The figures the issue sets: I/O-bound at least this, CPU-bound at least the ceiling a loop that
@@ -194,6 +207,18 @@ class Producer:
         x, y = self._template
         return x.copy(), y.copy()
 
+    def measure(self) -> float:
+        """The producer's own time per batch, measured alone. A CPU-bound producer is rescaled by
+        what it measures against its target (up to a few times, until within 10%), since one
+        calibration of the work unit is easily off by 30% on a noisy machine."""
+        seconds = median_seconds(self.make, 15)
+        for _ in range(3):
+            if not self._units or abs(seconds / self.seconds - 1) < 0.1:
+                break
+            self._units = max(1, round(self._units * self.seconds / seconds))
+            seconds = median_seconds(self.make, 15)
+        return seconds
+
     def __iter__(self) -> Iterator[Batch]:
         for _ in range(self.length):
             yield self.make()
@@ -203,20 +228,33 @@ class Producer:
 
 
 # One timed pass of a loop: given a producer, run FILL_STEPS + steps steps and return the seconds
-# per timed step. Each loop keeps its own training state between passes: the three loops place
-# their state differently (uncommitted, committed to a NamedSharding, committed by the strategy),
-# and feeding one loop's state to another would compile the step again.
+# per timed step. Each loop keeps its own training state between passes: the loops place their
+# state differently (uncommitted, committed to a NamedSharding, committed by the strategy), and
+# feeding one loop's state to another would compile the step again.
 Loop = Callable[[Producer, int], float]
 
 
-def timed_pass(batches: Iterable[Any], step: Callable[[Any], jax.Array], steps: int) -> float:
-    """Run `step` on each batch, reading the loss every step; time the steps after the fill."""
+def timed_pass(
+    batches: Iterable[Any], step: Callable[[Any], jax.Array], steps: int, *, read_every_step: bool = True
+) -> float:
+    """Run `step` on each batch, reading the loss every step; time the steps after the fill.
+
+    With `read_every_step=False` the loss is read only after the last step (still inside the
+    timing): the loop never blocks, and JAX's asynchronous dispatch overlaps the producer with the
+    steps already queued.
+    """
     iterator = iter(batches)
     for _ in range(FILL_STEPS):
         float(step(next(iterator)))
     start = time.perf_counter()
-    for _ in range(steps):
-        float(step(next(iterator)))  # The read a logger or progress bar makes, every step.
+    if read_every_step:
+        for _ in range(steps):
+            float(step(next(iterator)))  # The read a logger or progress bar makes, every step.
+    else:
+        loss = None
+        for _ in range(steps):
+            loss = step(next(iterator))
+        float(loss)
     elapsed = time.perf_counter() - start
     for _ in iterator:  # Finish the pass untimed, so no producer thread outlives it.
         pass
@@ -241,7 +279,7 @@ def compute_loop(workload: Workload) -> Loop:
     return lambda producer, steps: timed_pass(itertools.repeat(None, len(producer)), step, steps)
 
 
-def plain_loop(workload: Workload) -> Loop:
+def plain_loop(workload: Workload, *, read_every_step: bool = True) -> Loop:
     jitted = jax.jit(workload.step)
     state = list(workload.initial)
 
@@ -250,7 +288,7 @@ def plain_loop(workload: Workload) -> Loop:
         state[:] = params, opt_state
         return loss
 
-    return lambda producer, steps: timed_pass(producer, step, steps)
+    return lambda producer, steps: timed_pass(producer, step, steps, read_every_step=read_every_step)
 
 
 def flax_loop(workload: Workload) -> Loop:
@@ -289,6 +327,35 @@ def jaxstrategy_loop(workload: Workload) -> Loop:
     return run
 
 
+class ForeignLoad:
+    """How many cores other processes kept busy since `start()`: a benchmark sharing a 2-core
+    machine with a test run measures that test run. Linux only (/proc/stat); None elsewhere."""
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float] | None = None
+
+    @staticmethod
+    def _sample() -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = stat.readline().split()[1:]
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal: all but idle and iowait are busy time.
+        busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return busy - own.user - own.system, time.perf_counter()
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        return max(0.0, (end[0] - self._start[0]) / (end[1] - self._start[1]))
+
+
 def count_compiles() -> collections.Counter[str]:
     """Count XLA compiles from now on: a compile inside a timed pass would distort it."""
     compiles: collections.Counter[str] = collections.Counter()
@@ -313,6 +380,7 @@ class Cell:
     nominal_s: float
     producer_s: float
     seconds: dict[str, list[float]]
+    foreign_cores: float | None = None
 
     @property
     def compute_s(self) -> float:
@@ -343,14 +411,17 @@ def measure_cell(
     # drift by tens of percent within minutes.
     work.calibrate()
     producer = Producer(kind, multiple * measure_compute(30), work, FILL_STEPS + steps + TAIL_BATCHES)
-    producer_s = median_seconds(producer.make, 15)
+    producer_s = producer.measure()
     cell = Cell(kind, multiple, producer.seconds, producer_s, {name: [] for name in loops})
+    foreign = ForeignLoad()
+    foreign.start()
     names = list(loops)
     for rep in range(reps):
         # Rotate the order, so drift in a noisy machine does not always fall on the same loop.
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             gc.collect()
             cell.seconds[name].append(loops[name](producer, steps))
+    cell.foreign_cores = foreign.cores()
     return cell
 
 
@@ -369,25 +440,34 @@ def measure_placement_cost(sharding: jax.sharding.Sharding, calls: int) -> tuple
 
 def print_table(cells: list[Cell]) -> None:
     header = f"{'producer':<9}{'P/C':>5}{'P ms':>7}{'P alone':>9}{'C ms':>7}"
-    print(header + "".join(f"{name:>13}" for name in LOOPS))
+    print(header + "".join(f"{name:>13}" for name in COLUMNS) + f"{'other load':>12}")
     for cell in cells:
         row = (
             f"{cell.kind:<9}{cell.multiple:>5.1f}{cell.nominal_s * 1e3:>7.2f}"
             f"{cell.producer_s * 1e3:>9.2f}{cell.compute_s * 1e3:>7.2f}"
         )
-        print(row + "".join(f"{cell.efficiency(name):>13.2f}" for name in LOOPS))
+        load = "n/a" if cell.foreign_cores is None else f"{cell.foreign_cores:.2f}"
+        print(row + "".join(f"{cell.efficiency(name):>13.2f}" for name in COLUMNS) + f"{load:>12}")
     print(
         "efficiency = max(P alone, C) / time per step, median over reps of the per-rep ratio. 'P alone' "
         "(ms): the producer's time\nper batch measured by itself; C: the same loop on a batch already on "
-        "the device, timed in the same rep (median shown)."
+        "the device, timed in the same rep (median shown).\n'other load': cores kept busy by other processes "
+        "while the cell ran; a cell with much of it measured them too."
     )
 
 
 def print_goals(cells: list[Cell]) -> None:
-    for kind, goal in (("I/O", IO_GOAL), ("CPU", CPU_CEILING)):
-        worst = min(cell.efficiency("jaxstrategy") for cell in cells if cell.kind == kind)
-        verdict = "met" if worst >= goal else "NOT met"
-        print(f"goal {kind}-bound: jaxstrategy >= {goal:.2f} at every P: {verdict} (worst {worst:.2f})")
+    io_worst = min(cell.efficiency("jaxstrategy") for cell in cells if cell.kind == "I/O")
+    verdict = "met" if io_worst >= IO_GOAL else "NOT met"
+    print(f"goal I/O-bound: jaxstrategy >= {IO_GOAL:.2f} at every P: {verdict} (worst {io_worst:.2f})")
+    cpu = [cell for cell in cells if cell.kind == "CPU" and cell.multiple > 0]
+    gaps = [cell.efficiency("jaxstrategy") - cell.efficiency(NO_BLOCK) for cell in cpu]
+    verdict = "met" if min(gaps) >= 0 else "NOT met"
+    print(
+        f"goal CPU-bound, P > 0: jaxstrategy >= {NO_BLOCK} in the same row: {verdict} (worst gap "
+        f"{min(gaps):+.2f}); jaxstrategy >= {CPU_CEILING:.2f} (the ceiling measured for the issue): "
+        f"{sum(cell.efficiency('jaxstrategy') >= CPU_CEILING for cell in cpu)} of {len(cpu)} rows"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -416,6 +496,7 @@ def main() -> None:
         "plain": plain_loop(workload),
         "flax": flax_loop(workload),
         "jaxstrategy": jaxstrategy_loop(workload),
+        NO_BLOCK: plain_loop(workload, read_every_step=False),
     }
     # Compile every loop's step (the flax and strategy loops commit their state on the first step,
     # which compiles a second variant) before anything is timed.
