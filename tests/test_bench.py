@@ -1,0 +1,31 @@
+"""The benchmarks run end to end (their --quick smoke mode); their figures are not asserted here.
+
+Each benchmark checks what it can check without timing: run_overhead fails on any recompile,
+checkpoint verifies every round trip, input_pipeline counts compiles while timed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py"])
+def test_benchmark_smoke_run(script):
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / script), "--quick"],
+        cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # The machine's real devices.
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "goal" in done.stdout
