@@ -37,7 +37,6 @@ Run it from the repository root:
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import gc
 import itertools
@@ -52,6 +51,7 @@ import flax.jax_utils
 import jax
 import numpy as np
 import optax
+from bench_util import count_compiles
 from flax import nnx
 
 import jaxstrategy
@@ -354,18 +354,6 @@ class ForeignLoad:
         if self._start is None or end is None:
             return None
         return max(0.0, (end[0] - self._start[0]) / (end[1] - self._start[1]))
-
-
-def count_compiles() -> collections.Counter[str]:
-    """Count XLA compiles from now on: a compile inside a timed pass would distort it."""
-    compiles: collections.Counter[str] = collections.Counter()
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles["backend"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return compiles
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_util import count_compiles
 
 import jaxstrategy
 
@@ -198,18 +199,6 @@ def build_loops(strategy: jaxstrategy.OneDeviceStrategy) -> dict[str, tuple[Loop
             SGD_CALLS,
         ),
     }
-
-
-def count_compiles() -> collections.Counter[str]:
-    """Count XLA backend compiles from now on, so a recompile that is not a retrace is caught too."""
-    compiles: collections.Counter[str] = collections.Counter()
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles["backend"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return compiles
 
 
 def measure(name: str, jit_loop: Loop, run_loop: Loop, calls: int, rounds: int) -> Result:
