@@ -29,7 +29,7 @@ from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.prefetch import PrefetchIterator
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree
-from jaxstrategy._src.variables import private_copy
+from jaxstrategy._src.variables import private_copy, put_private
 
 # TensorFlow's cardinality constants (tf.data.INFINITE_CARDINALITY, tf.data.UNKNOWN_CARDINALITY).
 INFINITE_CARDINALITY = -1
@@ -60,9 +60,9 @@ class BatchPlacer:
     """Turns a host batch into arrays on `sharding`, or into numpy arrays when `sharding` is None.
 
     Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
-    TensorFlow tensors included). A writeable numpy array is copied before it is handed on (see
+    TensorFlow tensors included). Each numpy array is copied once before it is handed on (see
     `variables.private_copy`), so a source that refills one buffer for every batch cannot change
-    batches already delivered.
+    batches already delivered; JAX then uses the copy without copying again.
     """
 
     def __init__(self, sharding: jax.sharding.Sharding | None):
@@ -78,7 +78,7 @@ class BatchPlacer:
         if self._sharding is None:
             placed = [np.asarray(leaf) for leaf in private]
         else:
-            placed = jax.device_put(private, self._sharding)
+            placed = put_private(private, self._sharding)
         signature = _Signature(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
         return _Batch(jax.tree.unflatten(treedef, placed), signature)
 

@@ -16,8 +16,8 @@ def place_tree(
 ) -> PyTree:
     """Return `tree` with every array-like leaf committed to `sharding`, in one transfer.
 
-    Writeable numpy leaves are copied first (see `private_copy`), so a later write to the numpy
-    array cannot change the variable.
+    Numpy leaves are copied first (see `private_copy`), so a later write to the numpy array
+    cannot change the variable.
 
     Args:
       tree: a pytree of array-likes.
@@ -40,7 +40,7 @@ def place_tree(
     leaves, treedef = jax.tree.flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if is_array_like(leaf)]
     arrays = [private_copy(leaves[i]) for i in positions]
-    for i, placed in zip(positions, jax.device_put(arrays, sharding), strict=True):
+    for i, placed in zip(positions, put_private(arrays, sharding), strict=True):
         leaves[i] = placed
     return jax.tree.unflatten(treedef, leaves)
 
@@ -51,9 +51,16 @@ def private_copy(leaf: Any) -> Any:
     On CPU, `jax.device_put` of a numpy array may share its memory (measured: every time for
     64-byte-aligned arrays, `may_alias=False` notwithstanding), and on accelerators the transfer
     may still be reading it after the call returns. Either way a later write to the array would
-    change what was placed. Writeable numpy arrays are therefore copied; read-only ones, jax
-    arrays and Python numbers cannot change and are passed as they are.
+    change what was placed, and even a read-only array may be a view of memory that is written
+    elsewhere. Numpy arrays are therefore copied; jax arrays and Python numbers cannot change.
     """
-    if isinstance(leaf, np.ndarray) and leaf.flags.writeable:
-        return leaf.copy()
-    return leaf
+    return leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+
+
+def put_private(leaves: list[Any], sharding: jax.sharding.Sharding) -> list[Any]:
+    """`jax.device_put` of leaves that went through `private_copy`.
+
+    Nothing else can write them, so JAX may use their memory as it is (`may_alias=True`): on CPU
+    that skips a second copy, which measured 40% of a batch's placement time.
+    """
+    return jax.device_put(leaves, sharding, may_alias=True)
