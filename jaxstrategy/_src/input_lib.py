@@ -31,8 +31,6 @@ from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree
 from jaxstrategy._src.variables import private_copy, put_private
 
-# TensorFlow's cardinality constants (tf.data.INFINITE_CARDINALITY, tf.data.UNKNOWN_CARDINALITY).
-INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
 
 
