@@ -265,7 +265,7 @@ def test_at_most_buffer_size_plus_one_batches_are_alive_on_the_device():
         alive = sum(1 for a in jax.live_arrays() if a.shape == shape)
         most = max(most, alive)
         del batch
-    assert most == 3
+    assert 2 <= most <= 3, "prefetched ahead, and never more than buffer_size + 1 alive"
 
 
 def test_shape_changes_mid_stream_warn_once_but_a_partial_last_batch_does_not():

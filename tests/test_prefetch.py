@@ -167,7 +167,10 @@ def test_at_most_buffer_size_elements_are_placed_ahead():
 
     iterator = PrefetchIterator(iter(range(100)), put=put, buffer_size=3)
     assert next(iterator) == 0
-    time.sleep(0.3)  # Let the producer fill the buffer.
+    deadline = time.monotonic() + THREAD_END_TIMEOUT_S
+    while len(placed) < 4 and time.monotonic() < deadline:  # Let the producer fill the buffer.
+        time.sleep(0.01)
+    time.sleep(0.2)  # Then give it the chance to overrun.
     assert len(placed) == 1 + 3, "the consumed element plus three placed ahead"
     iterator.close()
 
