@@ -89,6 +89,18 @@ def test_run_options_keep_tensorflow_fields():
     assert (options.donate_argnums, options.donate_argnames) == ((), ())
 
 
+def test_an_argument_cannot_be_both_donated_and_static():
+    with pytest.raises(ValueError, match=r"argument\(s\) \[1\] are both donated and static"):
+        RunOptions(donate_argnums=(0, 1), static_argnums=1)
+    with pytest.raises(ValueError, match=r"argument\(s\) \['state'\] are both donated and static"):
+        RunOptions(donate_argnames="state", static_argnames=("state", "mode"))
+
+
+def test_run_options_normalise_static_arguments():
+    options = RunOptions(static_argnums=2, static_argnames=["mode", "mode"])
+    assert (options.static_argnums, options.static_argnames) == ((2,), ("mode",))
+
+
 def test_run_options_normalise_donation():
     options = RunOptions(donate_argnums=[2, 0, 2], donate_argnames="state")
     assert options.donate_argnums == (0, 2)
@@ -103,6 +115,8 @@ def test_run_options_normalise_donation():
         ({"donate_argnums": -1}, ValueError, r"donate_argnums=-1\): positions must be >= 0"),
         ({"donate_argnames": 3}, TypeError, r"donate_argnames=3\): expected a str or a sequence of strs"),
         ({"donate_argnames": ["a", 1]}, TypeError, r"expected a str or a sequence of strs"),
+        ({"static_argnums": "1"}, TypeError, r"static_argnums='1'\): expected an int or a sequence of ints"),
+        ({"static_argnames": 1}, TypeError, r"static_argnames=1\): expected a str or a sequence of strs"),
         ({"experimental_enable_dynamic_batch_size": "yes"}, TypeError, r"expected True or False"),
     ],
 )

@@ -83,7 +83,7 @@ def test_unhashable_non_array_arguments_are_named_by_path(strategy):
         strategy.run(lambda x, cfg, extra: x, args=(1, {"a": Unhashable()}), kwargs={"extra": Unhashable()})
     message = str(info.value)
     assert message.startswith(
-        "OneDeviceStrategy.run(): arguments that are not arrays are compile-time constants"
+        "OneDeviceStrategy.run(): compile-time constants (arguments that are not arrays, and"
     )
     assert "\n  args[1]['a'] is a Unhashable\n  kwargs['extra'] is a Unhashable\n" in message
     assert "close over them in the function" in message
@@ -207,6 +207,40 @@ def test_the_cache_is_bounded(strategy, monkeypatch):
     for fn in functions:
         strategy.run(fn, args=(1,))
     assert len(strategy._run_steps._entries) == 3
+
+
+# --- static arguments --------------------------------------------------------------------------
+
+
+def test_static_argnames_make_a_flag_a_compile_time_constant(strategy):
+    traces = []
+
+    def step(x, *, training):
+        traces.append(training)
+        return x * 0.5 if training else x
+
+    options = RunOptions(static_argnames="training")
+    for _ in range(3):
+        assert strategy.run(step, args=(4.0,), kwargs={"training": True}, options=options).tolist() == 2.0
+        assert strategy.run(step, args=(4.0,), kwargs={"training": False}, options=options).tolist() == 4.0
+    assert traces == [True, False], "one compile per value of the flag"
+
+
+def test_static_argnums_with_a_pytree_of_settings(strategy):
+    def step(x, settings):
+        return x * settings["scale"] if settings["enabled"] else x
+
+    options = RunOptions(static_argnums=1)
+    out = strategy.run(step, args=(jnp.ones(2), {"enabled": True, "scale": 3}), options=options)
+    assert out.tolist() == [3.0, 3.0]
+
+
+def test_a_static_array_is_named_as_unhashable(strategy):
+    with pytest.raises(
+        TypeError,
+        match=r"compile-time constants .* must be hashable, but these are not:\n  args\[1\] is a ArrayImpl",
+    ):
+        strategy.run(lambda x, y: x, args=(1.0, jnp.ones(2)), options=RunOptions(static_argnums=1))
 
 
 # --- donation ----------------------------------------------------------------------------------

@@ -98,10 +98,15 @@ class RunOptions:
     """Options for `Strategy.run`.
 
     TensorFlow's three fields are accepted and have no effect, as in TensorFlow on anything but
-    TPUs (JAX compiles for the shapes it is given). `donate_argnums` and `donate_argnames` add
-    JAX's buffer donation: the named arguments' arrays are given to the computation to reuse for
-    its outputs (and deleted), which saves memory when a step replaces its state. An array passed
-    to a donated argument may not be passed anywhere else in the same call.
+    TPUs (JAX compiles for the shapes it is given). Two pairs of fields come from `jax.jit`:
+
+    - `donate_argnums` and `donate_argnames`: the named arguments' arrays are given to the
+      computation to reuse for its outputs (and deleted), which saves memory when a step replaces
+      its state. An array passed to a donated argument may not be passed anywhere else in the
+      same call.
+    - `static_argnums` and `static_argnames`: the named arguments are compile-time constants even
+      where they are numbers (a `training=True` flag that Python code branches on); each new
+      value compiles the function once more. They must be hashable.
 
     Attributes:
       experimental_enable_dynamic_batch_size: accepted for TensorFlow compatibility; no effect.
@@ -109,11 +114,23 @@ class RunOptions:
       experimental_xla_options: accepted for TensorFlow compatibility; no effect.
       donate_argnums: positions in `args` whose arrays are donated (an int or a sequence).
       donate_argnames: names in `kwargs` whose arrays are donated (a str or a sequence).
+      static_argnums: positions in `args` that are compile-time constants.
+      static_argnames: names in `kwargs` that are compile-time constants.
+
+    Raises:
+      TypeError, ValueError: a field of the wrong type or value; an argument both donated and
+        static.
 
     Example:
       >>> import jaxstrategy
       >>> jaxstrategy.RunOptions(donate_argnums=0).donate_argnums
       (0,)
+      >>> def step(x, training):
+      ...     return x * 0.5 if training else x
+      >>> options = jaxstrategy.RunOptions(static_argnames='training')
+      >>> strategy = jaxstrategy.OneDeviceStrategy()
+      >>> strategy.run(step, args=(4.0,), kwargs={'training': True}, options=options).tolist()
+      2.0
     """
 
     experimental_enable_dynamic_batch_size: bool = True
@@ -121,6 +138,8 @@ class RunOptions:
     experimental_xla_options: Any = None
     donate_argnums: int | Sequence[int] = ()
     donate_argnames: str | Sequence[str] = ()
+    static_argnums: int | Sequence[int] = ()
+    static_argnames: str | Sequence[str] = ()
 
     def __post_init__(self) -> None:
         _check_bool(
@@ -133,8 +152,18 @@ class RunOptions:
             "experimental_bucketizing_dynamic_shape",
             self.experimental_bucketizing_dynamic_shape,
         )
-        object.__setattr__(self, "donate_argnums", _as_argnums(self.donate_argnums))
-        object.__setattr__(self, "donate_argnames", _as_argnames(self.donate_argnames))
+        for field in ("donate_argnums", "static_argnums"):
+            object.__setattr__(self, field, _as_argnums(field, getattr(self, field)))
+        for field in ("donate_argnames", "static_argnames"):
+            object.__setattr__(self, field, _as_argnames(field, getattr(self, field)))
+        both = sorted(set(self.donate_argnums) & set(self.static_argnums)) or sorted(  # type: ignore[arg-type]
+            set(self.donate_argnames) & set(self.static_argnames)  # type: ignore[arg-type]
+        )
+        if both:
+            raise ValueError(
+                f"RunOptions: argument(s) {both} are both donated and static; a compile-time "
+                "constant has no buffer to donate. Remove them from one of the two."
+            )
 
 
 def _check_bool(owner: str, field: str, value: Any, *, allow_none: bool = False) -> None:
@@ -144,25 +173,23 @@ def _check_bool(owner: str, field: str, value: Any, *, allow_none: bool = False)
     raise TypeError(f"{owner}({field}={value!r}): expected {expected}.")
 
 
-def _as_argnums(value: Any) -> tuple[int, ...]:
+def _as_argnums(field: str, value: Any) -> tuple[int, ...]:
     items = (value,) if isinstance(value, int) else value
     try:
         if isinstance(items, str) or any(isinstance(i, bool) for i in items):
             raise TypeError
         numbers = tuple(sorted({operator.index(i) for i in items}))
     except TypeError:
-        raise TypeError(
-            f"RunOptions(donate_argnums={value!r}): expected an int or a sequence of ints."
-        ) from None
+        raise TypeError(f"RunOptions({field}={value!r}): expected an int or a sequence of ints.") from None
     if any(n < 0 for n in numbers):
-        raise ValueError(f"RunOptions(donate_argnums={value!r}): positions must be >= 0.")
+        raise ValueError(f"RunOptions({field}={value!r}): positions must be >= 0.")
     return numbers
 
 
-def _as_argnames(value: Any) -> tuple[str, ...]:
+def _as_argnames(field: str, value: Any) -> tuple[str, ...]:
     items = (value,) if isinstance(value, str) else value
     if isinstance(items, Iterable):
         names = tuple(items)
         if all(isinstance(n, str) for n in names):
             return tuple(sorted(set(names)))
-    raise TypeError(f"RunOptions(donate_argnames={value!r}): expected a str or a sequence of strs.")
+    raise TypeError(f"RunOptions({field}={value!r}): expected a str or a sequence of strs.")

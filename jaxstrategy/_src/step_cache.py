@@ -96,12 +96,14 @@ class StepCache:
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
     ) -> PyTree:
-        fn_key = function_key(fn)
-        donating = options is not None and bool(options.donate_argnums or options.donate_argnames)
-        key = (fn_key, options.donate_argnums, options.donate_argnames) if donating else fn_key  # type: ignore[union-attr]
+        key = function_key(fn)
+        jit_options = _jit_options(options)
+        configured = any(jit_options)
+        if configured:
+            key = (key, jit_options)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._add(key, fn, options, count_towards_warning=not donating)
+            entry = self._add(key, fn, options, count_towards_warning=not configured)
         if entry.slow_path:
             return entry.call_partitioned(args, kwargs)
         try:
@@ -114,7 +116,7 @@ class StepCache:
             entry.slow_path = True
             self.fast.pop(key, None)
             return entry.call_partitioned(args, kwargs)
-        if not kwargs:  # Donation never gets here: it is always slow_path.
+        if not kwargs:  # Jit options never get here: they always take the slow path.
             self.fast[key] = entry.positional
         return result
 
@@ -179,12 +181,15 @@ class _CompiledStep:
         self.finalizer: weakref.finalize[Any, Any] | None = None
         self.strong_reference: Any = None
         self._caller = caller
-        # RunOptions normalises both to sorted tuples.
-        self._donate_argnums = cast(tuple[int, ...], () if options is None else options.donate_argnums)
-        self._donate_argnames = cast(tuple[str, ...], () if options is None else options.donate_argnames)
+        # RunOptions normalises these to sorted tuples.
+        options = options or RunOptions()
+        self._donate_argnums = cast(tuple[int, ...], options.donate_argnums)
+        self._donate_argnames = cast(tuple[str, ...], options.donate_argnames)
+        self._static_argnums = cast(tuple[int, ...], options.static_argnums)
+        self._static_argnames = cast(tuple[str, ...], options.static_argnames)
         self.scalars_are_static = scalars_are_static
-        # Donation and static scalars need the argument leaves sorted in Python on every call.
-        self.slow_path = bool(self._donate_argnums or self._donate_argnames) or scalars_are_static
+        # Jit options and static scalars need the argument leaves sorted in Python on every call.
+        self.slow_path = any(_jit_options(options)) or scalars_are_static
         resolve = _weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
@@ -229,12 +234,16 @@ class _CompiledStep:
         donated_paths: dict[int, str] = {}
         for path, leaf in path_leaves:
             where = _argument_name(path)
-            if not is_array_like(leaf) or (self.scalars_are_static and isinstance(leaf, _PYTHON_SCALARS)):
+            if (
+                not is_array_like(leaf)
+                or (self.scalars_are_static and isinstance(leaf, _PYTHON_SCALARS))
+                or _names(path, self._static_argnums, self._static_argnames)
+            ):
                 kinds.append(_STATIC)
                 static.append(leaf)
                 if not _is_hashable(leaf):
                     unhashable.append(f"{where} is a {type(leaf).__name__}")
-            elif self._is_donated(path):
+            elif _names(path, self._donate_argnums, self._donate_argnames):
                 kinds.append(_DONATED)
                 donated.append(leaf)
                 if isinstance(leaf, jax.Array):  # Only arrays have buffers; Python numbers are shared.
@@ -246,23 +255,18 @@ class _CompiledStep:
                 kept.append(leaf)
         if unhashable:
             raise TypeError(
-                f"{self._caller}: arguments that are not arrays are compile-time constants and must "
-                f"be hashable, but these are not:{bullet_list(unhashable)}\nPass them as arrays, make "
-                "them hashable (a tuple instead of a list, a frozen dataclass), or close over them "
-                "in the function."
+                f"{self._caller}: compile-time constants (arguments that are not arrays, and those "
+                "named by RunOptions.static_argnums / static_argnames) must be hashable, but these "
+                f"are not:{bullet_list(unhashable)}\nPass them as arrays, make them hashable (a "
+                "tuple instead of a list, a frozen dataclass), or close over them in the function."
             )
         for path, leaf in path_leaves:
-            if isinstance(leaf, jax.Array) and id(leaf) in donated_paths and not self._is_donated(path):
+            donated_here = _names(path, self._donate_argnums, self._donate_argnames)
+            if isinstance(leaf, jax.Array) and id(leaf) in donated_paths and not donated_here:
                 raise self._donated_twice(donated_paths[id(leaf)], _argument_name(path))
         # Types are part of the key: 1, 1.0 and True are equal but must not share a compilation.
         typed_static = tuple((type(leaf), leaf) for leaf in static)
         return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept
-
-    def _is_donated(self, path: tuple[Any, ...]) -> bool:
-        group, top = path[0], path[1]  # (args, kwargs) -> the position or name.
-        if group.idx == 0:
-            return top.idx in self._donate_argnums
-        return top.key in self._donate_argnames
 
     def _check_donated_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         missing = [f"donate_argnums position {n}" for n in self._donate_argnums if n >= len(args)]
@@ -295,6 +299,19 @@ class _StaticSpec:
         static = (leaf for _, leaf in self.static)
         sources = {_STATIC: static, _KEPT: iter(kept), _DONATED: iter(donated)}
         return jax.tree.unflatten(self.treedef, [next(sources[kind]) for kind in self.kinds])
+
+
+def _jit_options(options: RunOptions | None) -> tuple[tuple[Any, ...], ...]:
+    """The RunOptions fields that change how a step compiles: donation and static arguments."""
+    if options is None:
+        return ()
+    return (options.donate_argnums, options.donate_argnames, options.static_argnums, options.static_argnames)  # type: ignore[return-value]
+
+
+def _names(path: tuple[Any, ...], argnums: tuple[int, ...], argnames: tuple[str, ...]) -> bool:
+    """Whether the leaf at `path` in `(args, kwargs)` lies under one of these positions or names."""
+    group, top = path[0], path[1]
+    return top.idx in argnums if group.idx == 0 else top.key in argnames
 
 
 def _has_static_leaves(tree: PyTree) -> bool:

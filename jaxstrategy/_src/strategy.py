@@ -179,15 +179,17 @@ class Strategy(abc.ABC):
         Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced
         and placed on the device, so a new Python int does not recompile and arrays committed to
         another device are copied here. Other leaves (strings, enums, configs) are compile-time
-        constants and must be hashable: to branch in Python on a flag, pass a string or an
-        `enum.Enum` member (a Python bool is traced, so `if training:` fails). TensorFlow returns
-        `fn`'s raw Python result; here outputs are jax arrays committed to the device.
+        constants and must be hashable. A Python bool is traced, so `if training:` fails: name such
+        a flag in `RunOptions(static_argnames=...)`, or pass a string or an `enum.Enum` member.
+        TensorFlow returns `fn`'s raw Python result; here outputs are jax arrays committed to the
+        device.
 
         Args:
           fn: the function to run; it must return a pytree of arrays.
           args: positional arguments, a tuple or list.
           kwargs: keyword arguments, a dict.
-          options: a `RunOptions`; its `donate_argnums` and `donate_argnames` donate buffers.
+          options: a `RunOptions`; `donate_argnums` / `donate_argnames` donate buffers, and
+            `static_argnums` / `static_argnames` make arguments compile-time constants.
 
         Returns:
           `fn`'s outputs, as jax arrays committed to the device.
