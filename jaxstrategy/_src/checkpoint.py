@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from jaxstrategy._src import contexts
 from jaxstrategy._src.errors import JaxStrategyError, bullet_list
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.tree_checks import require_array_leaves
+from jaxstrategy._src.tree_checks import PYTHON_SCALARS, require_array_leaves
 from jaxstrategy._src.types import PyTree
 
 _STATE = "state"
@@ -322,7 +322,7 @@ def _split_prng_keys(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
 def _savable(leaf: Any) -> Any:
     if _is_prng_key(leaf):
         return jax.random.key_data(leaf)
-    if isinstance(leaf, bool | int | float | complex):
+    if isinstance(leaf, PYTHON_SCALARS):
         # As JAX would type it (int32, float32), so a target of jnp.asarray(...) or the same
         # Python number matches; orbax alone would save a Python int as int64.
         return jnp.asarray(leaf)
@@ -392,7 +392,7 @@ def _abstract_target(
     unusable: set[str] = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _path_string(path)
-        if isinstance(leaf, bool | int | float | complex):
+        if isinstance(leaf, PYTHON_SCALARS):
             leaf = jnp.asarray(leaf)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             problems.append(

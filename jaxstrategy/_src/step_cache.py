@@ -30,7 +30,7 @@ import jax
 
 from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_path
 from jaxstrategy._src.options import RunOptions
-from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
 
 # Compiled wrappers kept per strategy. Beyond this the oldest is dropped (a program that makes a
@@ -40,8 +40,6 @@ _MAX_ENTRIES = 256
 _RECOMPILES_BEFORE_WARNING = 2
 
 _STATIC, _KEPT, _DONATED = 0, 1, 2
-
-_PYTHON_SCALARS = (bool, int, float, complex)
 
 
 def function_key(fn: Callable[..., Any]) -> Hashable:
@@ -236,7 +234,7 @@ class _CompiledStep:
             where = _argument_name(path)
             if (
                 not is_array_like(leaf)
-                or (self.scalars_are_static and isinstance(leaf, _PYTHON_SCALARS))
+                or (self.scalars_are_static and isinstance(leaf, PYTHON_SCALARS))
                 or _names(path, self._static_argnums, self._static_argnames)
             ):
                 kinds.append(_STATIC)

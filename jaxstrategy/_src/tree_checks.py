@@ -11,8 +11,10 @@ import numpy as np
 from jaxstrategy._src.errors import bullet_list, format_path
 from jaxstrategy._src.types import PyTree
 
-# JAX arrays (tracers included) and the Python scalars JAX traces as weakly typed arrays.
-_TRACED_TYPES = (jax.Array, bool, int, float, complex)
+# The Python scalars JAX traces as weakly typed arrays.
+PYTHON_SCALARS = (bool, int, float, complex)
+# JAX arrays (tracers included) and those scalars.
+_TRACED_TYPES = (jax.Array, *PYTHON_SCALARS)
 
 
 def is_array_like(x: Any) -> bool:
