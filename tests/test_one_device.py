@@ -239,6 +239,21 @@ def test_replica_context_devices():
     assert seen == [(strategy.device,)]
 
 
+def test_merge_call_runs_in_cross_replica_context(strategy):
+    seen = {}
+
+    def merge_fn(merge_strategy, value):
+        seen["strategy"] = merge_strategy
+        seen["cross"] = jaxstrategy.in_cross_replica_context()
+        return value + 1
+
+    def step(x):
+        return jaxstrategy.get_replica_context().merge_call(merge_fn, args=(x,))
+
+    strategy.run(step, args=(1,))
+    assert seen == {"strategy": strategy, "cross": True}
+
+
 def test_merge_call_rejects_a_non_callable():
     def step(x):
         return jaxstrategy.get_replica_context().merge_call(3)

@@ -14,9 +14,11 @@ PUBLIC_NAMES = (
     "InputReplicationMode",
     "InvalidDeviceError",
     "JaxStrategyError",
+    "MirroredStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
+    "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
@@ -97,6 +99,10 @@ def test_all_is_pinned():
 def test_strategy_surface_is_pinned():
     public = tuple(sorted(name for name in dir(jaxstrategy.OneDeviceStrategy) if not name.startswith("_")))
     assert public == STRATEGY_METHODS
+    mirrored = tuple(sorted(name for name in dir(jaxstrategy.MirroredStrategy) if not name.startswith("_")))
+    # The same surface but `device`: several devices have no single one (nor in TensorFlow).
+    assert mirrored == tuple(name for name in STRATEGY_METHODS if name != "device")
+    assert [name for name in dir(jaxstrategy.PerReplica) if not name.startswith("_")] == ["stacked", "values"]
 
 
 def test_tensorflow_signatures_are_kept():
@@ -120,6 +126,7 @@ def test_tensorflow_signatures_are_kept():
     ]
     assert parameters(strategy.gather) == [("self", empty), ("value", empty), ("axis", empty)]
     assert parameters(strategy) == [("device", None), ("soft_placement", False)]
+    assert parameters(jaxstrategy.MirroredStrategy) == [("devices", None), ("cross_device_ops", None)]
 
 
 def test_every_public_name_has_a_docstring_with_an_example():
@@ -131,9 +138,12 @@ def test_every_public_name_has_a_docstring_with_an_example():
         if name == "Strategy":
             continue  # Abstract; documented through OneDeviceStrategy.
         assert obj.__doc__ and ">>>" in obj.__doc__, f"{name} has no doctest example"
-    for method in STRATEGY_METHODS:
-        member = inspect.getattr_static(jaxstrategy.OneDeviceStrategy, method)
-        assert getattr(member, "__doc__", None), f"OneDeviceStrategy.{method} has no docstring"
+    for cls in (jaxstrategy.OneDeviceStrategy, jaxstrategy.MirroredStrategy):
+        for method in STRATEGY_METHODS:
+            if method == "device" and cls is jaxstrategy.MirroredStrategy:
+                continue
+            member = inspect.getattr_static(cls, method)
+            assert getattr(member, "__doc__", None), f"{cls.__name__}.{method} has no docstring"
     for method in (
         "run",
         "reduce",

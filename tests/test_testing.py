@@ -110,7 +110,7 @@ def test_the_plugin_does_not_load_jax_into_sessions_that_do_not_use_it(tmp_path)
     assert "1 passed" in done.stdout, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize(("devices", "expected"), [(2, "3 passed"), (1, "2 passed, 1 skipped")])
+@pytest.mark.parametrize(("devices", "expected"), [(2, "4 passed"), (1, "3 passed, 1 skipped")])
 def test_the_pytest_plugin_gives_fixtures_without_a_conftest(tmp_path, devices, expected):
     (tmp_path / "test_user.py").write_text(_USER_TESTS)
     env = _clean_env() | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}

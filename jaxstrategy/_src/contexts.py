@@ -264,6 +264,11 @@ class ReplicaContext:
     ) -> Any:
         """Call `merge_fn(strategy, *args, **kwargs)` in the cross-replica context and return its result.
 
+        Only on a one-replica strategy; see Raises.
+
+        Raises:
+          NotImplementedError: on a strategy with a replica axis (MirroredStrategy).
+
         Example:
           >>> import jaxstrategy
           >>> def step(x):
@@ -275,6 +280,13 @@ class ReplicaContext:
         """
         if not callable(merge_fn):
             raise TypeError(f"ReplicaContext.merge_call(): merge_fn must be callable; got {merge_fn!r}.")
+        if self._axis_name is not None:
+            raise NotImplementedError(
+                f"ReplicaContext.merge_call() is not supported on {type(self._strategy).__name__}: the "
+                "replicas run as one SPMD program, which cannot stop to run Python code across them. "
+                "Combine values with all_reduce() or all_gather() inside run, or return them from "
+                "run and call strategy.reduce() or strategy.gather() outside."
+            )
         with entered(self._strategy):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
 

@@ -38,7 +38,11 @@ class _ParsedName:
 
 
 def resolve_device(
-    spec: DeviceLike, *, soft_placement: bool = False, caller: str = "OneDeviceStrategy"
+    spec: DeviceLike,
+    *,
+    soft_placement: bool = False,
+    caller: str = "OneDeviceStrategy",
+    argument: str = "device",
 ) -> jax.Device:
     """Return the local `jax.Device` that `spec` names.
 
@@ -47,6 +51,7 @@ def resolve_device(
       soft_placement: when the named device does not exist in this process, warn once and
         return the default device instead of raising.
       caller: the call to name in messages, such as `OneDeviceStrategy`.
+      argument: the argument to name in messages.
 
     Returns:
       A `jax.Device` addressable from this process.
@@ -68,16 +73,16 @@ def resolve_device(
         local = jax.local_devices()
         device = local[spec] if 0 <= spec < len(local) else None
     elif isinstance(spec, str):
-        device = _find(_parse(spec, caller=caller))
+        device = _find(_parse(spec, caller=caller, argument=argument))
     else:
         raise TypeError(
-            f"{caller}(device={spec!r}): expected {_ACCEPTED_FORMS}; got a "
+            f"{caller}({argument}={spec!r}): expected {_ACCEPTED_FORMS}; got a "
             f"{type(spec).__name__}. For several devices use MirroredStrategy(devices=[...])."
         )
     if device is not None:
         return device
     fallback = default_device()
-    message = f"{caller}(device={spec!r}): no such device; this process sees {jax.local_devices()}."
+    message = f"{caller}({argument}={spec!r}): no such device; this process sees {jax.local_devices()}."
     if not soft_placement:
         raise InvalidDeviceError(
             f"{message} Pass one of those, or a string such as '/cpu:0'; or pass "
@@ -119,10 +124,10 @@ def canonical_name(device: jax.Device) -> str:
     )
 
 
-def _parse(text: str, *, caller: str) -> _ParsedName:
+def _parse(text: str, *, caller: str, argument: str) -> _ParsedName:
     def malformed(why: str) -> InvalidDeviceError:
         return InvalidDeviceError(
-            f"{caller}(device={text!r}): cannot parse the device name: {why}. Expected {_ACCEPTED_FORMS}."
+            f"{caller}({argument}={text!r}): cannot parse the device name: {why}. Expected {_ACCEPTED_FORMS}."
         )
 
     if not text.strip():

@@ -26,11 +26,14 @@ from jaxstrategy._src.errors import (
     format_path,
 )
 from jaxstrategy._src.options import InputOptions
+from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
+from jaxstrategy._src.replica_batches import Grouping, HostBatch, HostElement, ReplicaBatcher
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree
 from jaxstrategy._src.variables import private_copy, put_private
 
+INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
 
 
@@ -54,31 +57,63 @@ class _Batch:
     signature: _Signature
 
 
-class BatchPlacer:
-    """Turns a host batch into arrays on `sharding`, or into numpy arrays when `sharding` is None.
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """How a strategy lays each batch out over its replicas.
 
-    Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
-    TensorFlow tensors included). Each numpy array is copied once before it is handed on (see
-    `variables.private_copy`), so a source that refills one buffer for every batch cannot change
-    batches already delivered; JAX then uses the copy without copying again.
+    Attributes:
+      sharding: where a batch goes: the device, or the mesh's replica axis for stacked batches.
+      num_replicas: how many replicas share each batch.
+      stacked: whether batches are split per replica, stacked along a new leading axis and
+        delivered as `PerReplica` leaves (False only for one replica: the batch as it is).
     """
 
-    def __init__(self, sharding: jax.sharding.Sharding | None):
-        self._sharding = sharding
+    sharding: jax.sharding.Sharding
+    num_replicas: int = 1
+    stacked: bool = False
 
-    def __call__(self, element: PyTree) -> _Batch:
+
+def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
+    """The elements of `source` as numpy leaves, each copied once.
+
+    Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
+    TensorFlow tensors included). Each is copied (see `variables.private_copy`), so a source that
+    refills one buffer for every batch cannot change batches already delivered; JAX then uses the
+    copy without copying again.
+
+    Raises:
+      TypeError: a leaf cannot be an array; every such leaf is named by its path.
+    """
+    for element in source:
         leaves, treedef = jax.tree.flatten(element)
         host = [_to_host_array(leaf) for leaf in leaves]
         bad = [i for i, leaf in enumerate(host) if leaf is None]
         if bad:
             raise TypeError(_describe_bad_leaves(element, bad))
-        private = [private_copy(leaf) for leaf in host]
-        if self._sharding is None:
-            placed = [np.asarray(leaf) for leaf in private]
-        else:
-            placed = put_private(private, self._sharding)
-        signature = _Signature(treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
-        return _Batch(jax.tree.unflatten(treedef, placed), signature)
+        yield HostElement([np.asarray(private_copy(leaf)) for leaf in host], treedef)
+
+
+class BatchPlacer:
+    """Puts a `HostBatch` on `layout.sharding` (or keeps it on the host when `on_device` is False).
+
+    Stacked leaves (and the mask) are wrapped in `PerReplica`; a mask makes the batch a
+    `(batch, mask)` pair.
+    """
+
+    def __init__(self, layout: ReplicaLayout, *, on_device: bool):
+        self._layout = layout
+        self._on_device = on_device
+
+    def __call__(self, batch: HostBatch) -> _Batch:
+        leaves = batch.leaves if batch.mask is None else [*batch.leaves, batch.mask]
+        placed = put_private(leaves, self._layout.sharding) if self._on_device else leaves
+        signature = _Signature(batch.treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
+        if self._layout.stacked:
+            placed = [PerReplica(x) for x in placed]
+        value = jax.tree.unflatten(batch.treedef, placed[: len(batch.leaves)])
+        if batch.mask is not None:
+            value = (value, placed[-1])
+        return _Batch(value, signature)
 
 
 def _to_host_array(leaf: Any) -> Any:
@@ -144,6 +179,24 @@ def cardinality_of(dataset: Any) -> int:
         return UNKNOWN_CARDINALITY
 
 
+def _grouped_cardinality(
+    cardinalities: list[int], num_replicas: int, grouping: Grouping, options: InputOptions
+) -> int:
+    """The number of batches made from sources of these cardinalities, where it is known."""
+    if any(c < 0 for c in cardinalities):
+        infinite = all(c == INFINITE_CARDINALITY for c in cardinalities)
+        return INFINITE_CARDINALITY if infinite else UNKNOWN_CARDINALITY
+    if grouping == "split":
+        # With 'drop' on several replicas, which batches are dropped depends on their sizes.
+        dropping = options.partial_batch == "drop" and num_replicas > 1
+        return UNKNOWN_CARDINALITY if dropping else cardinalities[0]
+    if grouping == "zip":
+        shortest, longest = min(cardinalities), max(cardinalities)
+        return shortest + (longest > shortest and options.partial_batch != "drop")
+    whole, rest = divmod(cardinalities[0], num_replicas)
+    return whole + (rest > 0 and options.partial_batch != "drop")
+
+
 class DistributedDataset:
     """A dataset whose batches arrive on the strategy's device(s), prefetched in the background.
 
@@ -162,20 +215,32 @@ class DistributedDataset:
 
     def __init__(
         self,
-        source: Any,
+        sources: list[Any],
         *,
-        sharding: jax.sharding.Sharding,
+        layout: ReplicaLayout,
+        grouping: Grouping,
         options: InputOptions,
         caller: str,
     ):
-        self._start_pass, self._one_shot = host_passes(source, caller=caller)
-        self._cardinality = cardinality_of(source)
-        self._sharding = sharding
+        passes = [host_passes(source, caller=caller) for source in sources]
+        self._start_passes = [start for start, _ in passes]
+        self._one_shot = any(one_shot for _, one_shot in passes)
+        self._cardinality = _grouped_cardinality(
+            [cardinality_of(source) for source in sources], layout.num_replicas, grouping, options
+        )
         self._options = options
-        self._placer = BatchPlacer(sharding if options.experimental_fetch_to_device else None)
+        on_device = bool(options.experimental_fetch_to_device)
+        self._batcher = ReplicaBatcher(
+            num_replicas=layout.num_replicas,
+            grouping=grouping,
+            stacked=layout.stacked,
+            partial_batch=options.partial_batch,
+            caller=caller,
+        )
+        self._placer = BatchPlacer(layout, on_device=on_device)
         self._passes_started = 0
         self._next_pass: DistributedIterator | None = None
-        self._batches = _BatchTracker(sharding if options.experimental_fetch_to_device else None)
+        self._batches = _BatchTracker(layout.sharding if on_device else None)
 
     def __iter__(self) -> DistributedIterator:
         if self._next_pass is not None:
@@ -188,9 +253,9 @@ class DistributedDataset:
                 "instead: a list, a tf.data Dataset, or an object whose __iter__ starts a new pass."
             )
         self._passes_started += 1
-        prefetch = PrefetchIterator(
-            self._start_pass(), self._placer, self._options.experimental_per_replica_buffer_size
-        )
+        # Reading, copying and laying out batches happen in the producer thread, with placement.
+        batches = self._batcher.batches([host_elements(start()) for start in self._start_passes])
+        prefetch = PrefetchIterator(batches, self._placer, self._options.experimental_per_replica_buffer_size)
         return DistributedIterator(prefetch, self._batches)
 
     def __len__(self) -> int:

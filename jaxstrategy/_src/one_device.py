@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,11 +14,10 @@ from jaxstrategy._src import contexts
 from jaxstrategy._src.contexts import ReplicaContext, ValueContext
 from jaxstrategy._src.device_spec import resolve_device
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, reduce_tree
+from jaxstrategy._src.spmd import REPLICA_AXIS
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.types import DeviceLike, PyTree
+from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
-
-REPLICA_AXIS = "replica"
 
 
 class OneDeviceStrategy(Strategy):
@@ -188,11 +187,12 @@ class OneDeviceStrategy(Strategy):
             value, self._sharding, caller="experimental_distribute_values_from_function()", static_ok=True
         )
 
-    @contextlib.contextmanager
-    def _replica_context(self) -> Iterator[None]:
-        replica = ReplicaContext(self, jnp.zeros((), jnp.int32))
-        with contexts.entered(self, replica):
-            yield
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        def in_replica_context(*args: Any, **kwargs: Any) -> PyTree:
+            with contexts.entered(self, ReplicaContext(self, jnp.zeros((), jnp.int32))):
+                return fn(*args, **kwargs)
+
+        return in_replica_context
 
     def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
         return jax.default_device(self._device)

@@ -13,6 +13,9 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+# What `InputOptions.partial_batch` accepts.
+PARTIAL_BATCH_POLICIES = ("error", "drop", "pad")
+
 
 class InputReplicationMode(enum.Enum):
     """How input pipelines map to replicas.
@@ -51,6 +54,14 @@ class InputOptions:
       experimental_per_replica_buffer_size: how many batches a background thread keeps in flight
         on the device. 2 (double buffering) hides one transfer behind each step; 0 turns the
         thread off and places each batch on demand. TensorFlow's default is 1.
+      partial_batch: what to do with a batch that cannot be split evenly over the replicas (one
+        SPMD program needs the same shape on every replica), such as a short last batch on a
+        strategy with several replicas. 'error' (the default) raises, naming the batch's size;
+        'drop' skips the batch with a warning that counts its examples; 'pad' pads it with zeros
+        and makes every element a `(batch, mask)` pair, where `mask` is a boolean array with one
+        entry per example, True for real ones (per replica on a multi-replica strategy), so the
+        step can weight its loss by it. TensorFlow instead gives the last replicas fewer (or
+        no) examples.
 
     Example:
       >>> import jaxstrategy
@@ -63,6 +74,7 @@ class InputOptions:
     experimental_replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 2
+    partial_batch: str = "error"
 
     def __post_init__(self) -> None:
         fetch = self.experimental_fetch_to_device
@@ -90,6 +102,11 @@ class InputOptions:
             raise ValueError(
                 f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected an int "
                 ">= 0 (0 turns prefetching off; 2, the default, double-buffers)."
+            )
+        if self.partial_batch not in PARTIAL_BATCH_POLICIES:
+            raise ValueError(
+                f"InputOptions(partial_batch={self.partial_batch!r}): expected one of "
+                f"{', '.join(map(repr, PARTIAL_BATCH_POLICIES))}."
             )
 
 

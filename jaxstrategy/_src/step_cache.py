@@ -23,7 +23,6 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import jax
@@ -61,9 +60,13 @@ class StepCache:
     the program drops is freed, with its device arrays, and its entries go with it.
 
     Args:
-      sharding: where inputs are placed and outputs committed.
-      trace_context: returns the context manager a function runs in while it is traced (for
-        `run`, the replica context).
+      sharding: where inputs are placed and outputs committed; None leaves placement to `jax.jit`
+        and to what `program` returns (a `shard_map` decides it for each leaf).
+      program: wraps a step function into what is traced, such as the function run in the
+        replica context, or a `shard_map` of it over the replicas.
+      adopt: given call arguments that `jax.jit` rejected with a ValueError, returns them with
+        arrays committed to other devices moved onto this cache's devices, or None when none
+        are; only needed when `sharding` is None (pinned `in_shardings` copy such arrays).
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
@@ -78,14 +81,16 @@ class StepCache:
     def __init__(
         self,
         *,
-        sharding: jax.sharding.Sharding,
-        trace_context: Callable[[], AbstractContextManager[Any]],
+        sharding: jax.sharding.Sharding | None,
+        program: Callable[[StepFn], StepFn],
         caller: str,
+        adopt: Callable[[PyTree], PyTree | None] | None = None,
         scalars_are_static: bool = False,
     ):
         self.fast: dict[Hashable, Callable[..., Any]] = {}
         self._sharding = sharding
-        self._trace_context = trace_context
+        self._program = program
+        self.adopt = adopt
         self._caller = caller
         self._scalars_are_static = scalars_are_static
         self._entries: dict[Hashable, _CompiledStep] = {}
@@ -93,6 +98,19 @@ class StepCache:
 
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
+    ) -> PyTree:
+        try:
+            return self._call(fn, args, kwargs, options)
+        except ValueError:
+            # Without pinned in_shardings, jit refuses arrays committed to other devices.
+            adopted = None if self.adopt is None else self.adopt((args, kwargs))
+            if adopted is None:
+                raise
+            adopted_args, adopted_kwargs = adopted
+            return self._call(fn, adopted_args, adopted_kwargs, options)
+
+    def _call(
+        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
         key = function_key(fn)
         jit_options = _jit_options(options)
@@ -126,7 +144,7 @@ class StepCache:
         if count_towards_warning:
             self._warn_on_repeated_code(fn)
         entry = _CompiledStep(
-            fn, self._sharding, self._trace_context, self._caller, options, self._scalars_are_static
+            fn, self._sharding, self._program, self._caller, options, self._scalars_are_static
         )
         # When the function (or the method's object) is collected, its entry goes too; the id in
         # the key cannot be reused before then.
@@ -170,8 +188,8 @@ class _CompiledStep:
     def __init__(
         self,
         fn: StepFn,
-        sharding: jax.sharding.Sharding,
-        trace_context: Callable[[], AbstractContextManager[Any]],
+        sharding: jax.sharding.Sharding | None,
+        program: Callable[[StepFn], StepFn],
         caller: str,
         options: RunOptions | None,
         scalars_are_static: bool,
@@ -191,17 +209,14 @@ class _CompiledStep:
         resolve = _weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
-            with trace_context():
-                return resolve()(*args)
+            return program(resolve())(*args)
 
         def call_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-            with trace_context():
-                return resolve()(*args, **kwargs)
+            return program(resolve())(*args, **kwargs)
 
         def call_with_static(spec: _StaticSpec, donated: list[Any], kept: list[Any]) -> PyTree:
             args, kwargs = spec.rebuild(donated, kept)
-            with trace_context():
-                return resolve()(*args, **kwargs)
+            return program(resolve())(*args, **kwargs)
 
         source = _source_info(fn)
         wrappers: tuple[Any, ...] = (call_positional, call_packed, call_with_static)
@@ -209,14 +224,16 @@ class _CompiledStep:
             # JAX names the compiled program, and points its tracing errors, at the user's code.
             wrapper.__name__ = wrapper.__qualname__ = source.__name__
             wrapper.__wrapped__ = source
-        self.positional = jax.jit(call_positional, in_shardings=sharding, out_shardings=sharding)
-        self.packed = jax.jit(call_packed, in_shardings=sharding, out_shardings=sharding)
+        pinned: dict[str, Any] = {}
+        if sharding is not None:
+            pinned = {"in_shardings": sharding, "out_shardings": sharding}
+        self.positional = jax.jit(call_positional, **pinned)
+        self.packed = jax.jit(call_packed, **pinned)
         self._partitioned = jax.jit(
             call_with_static,
             static_argnums=0,
             donate_argnums=1 if self._donate_argnums or self._donate_argnames else (),
-            in_shardings=sharding,
-            out_shardings=sharding,
+            **pinned,
         )
 
     def call_partitioned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:

@@ -19,9 +19,10 @@ import jax
 from jaxstrategy._src import contexts
 from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
-from jaxstrategy._src.input_lib import DistributedDataset
+from jaxstrategy._src.input_lib import DistributedDataset, ReplicaLayout
 from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
+from jaxstrategy._src.replica_batches import Grouping
 from jaxstrategy._src.step_cache import StepCache
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
@@ -61,12 +62,15 @@ class Strategy(abc.ABC):
     def __init__(self) -> None:
         name = type(self).__name__
         self._run_steps = StepCache(
-            sharding=self.sharding, trace_context=self._replica_context, caller=f"{name}.run()"
+            sharding=self._run_sharding,
+            program=self._replica_program,
+            caller=f"{name}.run()",
+            adopt=self._adopt_foreign_arrays,
         )
         self._compiled_runs = self._run_steps.fast  # Saves an attribute lookup per run().
         self._init_steps = StepCache(
             sharding=self.sharding,
-            trace_context=lambda: contexts.entered(self),
+            program=self._cross_replica_program,
             caller=f"{name}.init()",
             scalars_are_static=True,
         )
@@ -84,8 +88,30 @@ class Strategy(abc.ABC):
         """The sharding of variables: where `put` and `init` place their results."""
 
     @abc.abstractmethod
-    def _replica_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Enter the replica context in which `run` traces its function."""
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        """Wrap `fn` into what `run` compiles: `fn` on every replica, in its replica context."""
+
+    @property
+    def _run_sharding(self) -> jax.sharding.Sharding | None:
+        """Where `run` pins its inputs and outputs; None when `_replica_program` places them."""
+        return self.sharding
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        """How distributed datasets lay batches out over the replicas."""
+        return ReplicaLayout(self.sharding)
+
+    def _adopt_foreign_arrays(self, tree: PyTree) -> PyTree | None:
+        """`tree` with arrays committed to other devices moved onto this strategy's, or None when
+        it has none; needed only when `_run_sharding` is None."""
+        return None
+
+    def _cross_replica_program(self, fn: StepFn) -> StepFn:
+        def in_cross_replica_context(*args: Any, **kwargs: Any) -> PyTree:
+            with contexts.entered(self):
+                return fn(*args, **kwargs)
+
+        return in_cross_replica_context
 
     @abc.abstractmethod
     def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
@@ -222,6 +248,11 @@ class Strategy(abc.ABC):
                     except TypeError:
                         if all(is_array_like(leaf) for leaf in jax.tree.leaves(args)):
                             raise
+                    except ValueError:
+                        adopted = self._adopt_foreign_arrays((args, {}))
+                        if adopted is None:
+                            raise
+                        args = adopted[0]
         return self._run_checked(fn, args, kwargs, options)
 
     def _run_checked(
@@ -312,11 +343,13 @@ class Strategy(abc.ABC):
           [8, 9] True
         """
         caller = f"{type(self).__name__}.experimental_distribute_dataset()"
-        options = self._check_input_options(options, caller)
+        options = self._check_input_options(options, caller, per_replica_supported=False)
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
-        return DistributedDataset(dataset, sharding=self.sharding, options=options, caller=caller)
+        return DistributedDataset(
+            [dataset], layout=self._batch_layout, grouping="split", options=options, caller=caller
+        )
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
@@ -350,25 +383,35 @@ class Strategy(abc.ABC):
                 f"got {type(dataset_fn).__name__}. To distribute a dataset itself, use "
                 "experimental_distribute_dataset."
             )
-        options = self._check_input_options(options, caller)
+        options = self._check_input_options(options, caller, per_replica_supported=self._batch_layout.stacked)
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
-        context = InputContext(
-            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=self.num_replicas_in_sync
+        n = self.num_replicas_in_sync
+        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            input_contexts = [InputContext(n, i, n) for i in range(n)]
+            grouping: Grouping = "zip"
+        else:
+            input_contexts = [InputContext(1, 0, n)]
+            grouping = "consecutive" if self._batch_layout.stacked else "split"
+        sources = [dataset_fn(context) for context in input_contexts]
+        return DistributedDataset(
+            sources, layout=self._batch_layout, grouping=grouping, options=options, caller=caller
         )
-        return DistributedDataset(dataset_fn(context), sharding=self.sharding, options=options, caller=caller)
 
-    def _check_input_options(self, options: InputOptions | None, caller: str) -> InputOptions:
+    def _check_input_options(
+        self, options: InputOptions | None, caller: str, *, per_replica_supported: bool
+    ) -> InputOptions:
         if options is None:
             return InputOptions()
         if not isinstance(options, InputOptions):
             raise TypeError(f"{caller}: options must be a jaxstrategy.InputOptions; got {options!r}.")
-        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+        if per_replica and not per_replica_supported:
             raise NotImplementedError(
                 f"{caller}: InputReplicationMode.PER_REPLICA is only supported in "
-                "`distribute_datasets_from_function` of a strategy with several replicas; use "
-                "PER_WORKER (the default)."
+                "`distribute_datasets_from_function` of a strategy with several replicas "
+                "(MirroredStrategy); use PER_WORKER (the default)."
             )
         return options
 

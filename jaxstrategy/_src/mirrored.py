@@ -1,0 +1,401 @@
+"""`MirroredStrategy`: the same code on many local devices, as one SPMD program over a mesh.
+
+Variables are replicated: one array per leaf, `NamedSharding(mesh, P())`. `run` is one `jax.jit`
+of a `jax.shard_map` over the mesh's `'replica'` axis (see `spmd.py`). Values that differ between
+replicas are `PerReplica`s: one array stacked along a new leading axis, sharded over the replicas.
+
+Everything that is not a `PerReplica` stands for the same value on every replica. So `reduce`
+with SUM multiplies it by the number of replicas, `gather` concatenates its copies and
+`experimental_local_results` returns one copy per replica: on one replica all three agree with
+`OneDeviceStrategy`, and a value is treated the same whether JAX could prove it identical on every
+replica (and returned it replicated) or not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxstrategy._src import contexts
+from jaxstrategy._src.contexts import ReplicaContext, ValueContext
+from jaxstrategy._src.device_spec import resolve_device
+from jaxstrategy._src.errors import InvalidDeviceError, bullet_list, caller_stacklevel, format_path
+from jaxstrategy._src.input_lib import ReplicaLayout
+from jaxstrategy._src.per_replica import PerReplica, components, is_per_replica
+from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
+from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
+from jaxstrategy._src.strategy import Strategy
+from jaxstrategy._src.tree_checks import is_array_like, require_array_leaves
+from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
+from jaxstrategy._src.variables import private_copy
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of this process: one replica per device.
+
+    Code written for `OneDeviceStrategy` runs unchanged. Variables made with `put`, `init` or a
+    checkpoint restore are replicated on every device. `run` traces its function once and runs it
+    on every replica as one SPMD program (`jax.jit` of `jax.shard_map`): a `PerReplica` argument,
+    such as a batch from a distributed dataset, gives each replica its own part, and any other
+    argument is seen whole by every replica. Inside, `get_replica_context().all_reduce('mean',
+    grads)` averages across replicas. Outputs that differ between replicas come back as
+    `PerReplica`; outputs JAX can show are the same on every replica (all-reduced values, or values
+    computed only from replicated inputs) come back as replicated arrays.
+
+    Args:
+      devices: the devices, in any form `OneDeviceStrategy` accepts, as a list or tuple; None
+        (or an empty list) means every local device of JAX's default backend.
+      cross_device_ops: accepted for TensorFlow compatibility; XLA chooses how to communicate, so
+        anything but None has no effect and warns.
+
+    Raises:
+      InvalidDeviceError: (a `ValueError`) a device cannot be parsed or does not exist here, a
+        device is listed twice, or the devices are of different kinds.
+      TypeError: `devices` is not a list or tuple (a single string, say).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+      >>> strategy.num_replicas_in_sync
+      2
+      >>> def step(x):
+      ...     context = jaxstrategy.get_replica_context()
+      ...     return context.all_reduce('sum', x + context.replica_id_in_sync_group)
+      >>> print(strategy.run(step, args=(1,)))
+      3
+      >>> dataset = strategy.experimental_distribute_dataset([jnp.arange(4)])
+      >>> batch = next(iter(dataset))
+      >>> [part.tolist() for part in strategy.experimental_local_results(batch)]
+      [[0, 1], [2, 3]]
+    """
+
+    def __init__(self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: Any = None):
+        if cross_device_ops is not None:
+            warnings.warn(
+                "MirroredStrategy(cross_device_ops=...) has no effect: XLA chooses how replicas "
+                "communicate. Leave it out.",
+                stacklevel=caller_stacklevel(),
+            )
+        self._devices = _resolve_devices(devices)
+        self._mesh = jax.sharding.Mesh(np.array(self._devices), (REPLICA_AXIS,))
+        self._sharding = NamedSharding(self._mesh, PartitionSpec())
+        self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
+        self._combine = jax.jit(_combine, static_argnums=(0, 1, 2), out_shardings=self._sharding)
+        super().__init__()
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices, one per replica, in replica order."""
+        return self._devices
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """`NamedSharding(mesh, P())`: replicated on every device; where variables live."""
+        return self._sharding
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The `jax.sharding.Mesh` of the devices, with one axis, `'replica'`."""
+        return self._mesh
+
+    def __repr__(self) -> str:
+        return f"MirroredStrategy(devices={self._devices!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MirroredStrategy) and other._devices == self._devices
+
+    def __hash__(self) -> int:
+        return hash((MirroredStrategy, self._devices))
+
+    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
+        """Combine `value` across replicas, and along `axis` within each replica unless it is None.
+
+        A `PerReplica` leaf combines its components: SUM adds them, MEAN averages them (as the
+        global sum over the global count when `axis` is given; integers give JAX's default float).
+        Any other leaf stands for the same value on every replica: SUM multiplies it by the number
+        of replicas (as TensorFlow does with an axis; without one it raises) and MEAN returns it
+        as it is.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
+          value: a pytree of arrays and `PerReplica`s, such as `run`'s result.
+          axis: required: None, or the axis (or axes) of each replica's value to reduce as well.
+
+        Returns:
+          The reduced pytree, replicated on every device (`self.sharding`), committed.
+
+        Raises:
+          ValueError: an unknown reduce op name; an axis out of range for a leaf (each is named).
+          TypeError: `reduce_op` of the wrong type; a leaf that is not an array.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> losses = strategy.experimental_distribute_values_from_function(
+          ...     lambda context: jnp.float32(context.replica_id_in_sync_group + 1))
+          >>> [strategy.reduce(op, losses, axis=None).tolist() for op in ('sum', 'mean')]
+          [3.0, 1.5]
+        """
+        return super().reduce(reduce_op, value, axis)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate the replicas' values of `value` along `axis`, in replica order.
+
+        A leaf that is not a `PerReplica` is the same on every replica, so its copies are
+        concatenated.
+
+        Returns:
+          The gathered pytree, replicated on every device, committed.
+
+        Raises:
+          ValueError: a scalar leaf, or `axis` out of a leaf's range.
+          TypeError: a leaf that is not an array, or an `axis` that is not an int.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1', '/cpu:2', '/cpu:3'])
+          >>> value = strategy.experimental_distribute_values_from_function(
+          ...     lambda _: jnp.arange(6).reshape(1, 2, 3))
+          >>> [strategy.gather(value, axis).shape for axis in (0, 1, 2)]
+          [(4, 2, 3), (1, 8, 3), (1, 2, 12)]
+        """
+        return super().gather(value, axis)
+
+    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Return one tree per replica of `value`, in replica order.
+
+        A `PerReplica` leaf gives each replica its component, and an array replicated on this
+        strategy's devices its copy on the replica's device; any other leaf is repeated.
+        TensorFlow returns a plain leaf once, as `(value,)`; here it is always one per replica.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> ids = strategy.run(lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group)
+          >>> [(int(i), i.devices()) for i in strategy.experimental_local_results(ids)]
+          [(0, {CpuDevice(id=0)}), (1, {CpuDevice(id=1)})]
+        """
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        per_leaf = [self._local_copies(leaf) for leaf in leaves]
+        count = len(self._devices)
+        return tuple(jax.tree.unflatten(treedef, [copies[i] for copies in per_leaf]) for i in range(count))
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], PyTree]
+    ) -> PyTree:
+        """Call `value_fn` once per replica and return its results as `PerReplica` leaves.
+
+        Each replica's component is placed on its own device. Array leaves must have the same
+        shape and dtype on every replica (one program runs on all of them); a leaf that is not an
+        array must be equal on every replica and is returned as it is.
+
+        Raises:
+          TypeError: `value_fn` is not callable; a leaf that is not an array differs between
+            replicas.
+          ValueError: the replicas' results differ in structure, shape or dtype.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> value = strategy.experimental_distribute_values_from_function(
+          ...     lambda context: context.replica_id_in_sync_group * 10)
+          >>> [int(v) for v in strategy.experimental_local_results(value)]
+          [0, 10]
+        """
+        caller = "MirroredStrategy.experimental_distribute_values_from_function()"
+        if not callable(value_fn):
+            raise TypeError(f"{caller}: value_fn must be callable with a ValueContext; got {value_fn!r}.")
+        count = len(self._devices)
+        results = [value_fn(ValueContext(i, count)) for i in range(count)]
+        flat = [jax.tree_util.tree_flatten_with_path(result) for result in results]
+        treedef: Any = flat[0][1]
+        for replica, (_, other) in enumerate(flat[1:], start=1):
+            if other != treedef:
+                raise ValueError(
+                    f"{caller}: value_fn returned different structures for replica 0 ({treedef}) "
+                    f"and replica {replica} ({other}); it must return the same structure for all."
+                )
+        leaves = []
+        for j, (path, _) in enumerate(flat[0][0]):
+            replica_values = [paths_and_leaves[j][1] for paths_and_leaves, _ in flat]
+            leaves.append(self._stack_components(replica_values, format_path("value", path), caller))
+        return jax.tree.unflatten(treedef, leaves)
+
+    # Hooks of Strategy.
+
+    @property
+    def _run_sharding(self) -> None:
+        return None  # The shard_map decides each leaf's sharding.
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        return ReplicaLayout(self._stacked_sharding, num_replicas=len(self._devices), stacked=True)
+
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        def replica_context(replica_id: jax.Array) -> Any:
+            return contexts.entered(self, ReplicaContext(self, replica_id, axis_name=REPLICA_AXIS))
+
+        return per_replica_program(
+            fn,
+            mesh=self._mesh,
+            axis_name=REPLICA_AXIS,
+            replica_context=replica_context,
+            caller="MirroredStrategy.run()",
+        )
+
+    def _default_device_scope(self) -> Any:
+        return jax.default_device(self._devices[0])
+
+    def _adopt_foreign_arrays(self, tree: PyTree) -> PyTree | None:
+        moved = False
+
+        def adopt(leaf: Any) -> Any:
+            nonlocal moved
+            if isinstance(leaf, PerReplica):
+                stacked = leaf.stacked
+                if isinstance(stacked, jax.Array) and not self._on_mesh(stacked):
+                    moved = True
+                    return PerReplica(jax.device_put(stacked, self._stacked_sharding))
+            elif isinstance(leaf, jax.Array) and not self._on_mesh(leaf):
+                moved = True
+                return jax.device_put(leaf, self._sharding)
+            return leaf
+
+        adopted = jax.tree.map(adopt, tree, is_leaf=is_per_replica)
+        return adopted if moved else None
+
+    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
+        return self._combine_leaves("reduce", op, value, axis, caller="MirroredStrategy.reduce()")
+
+    def _gather(self, value: PyTree, axis: int) -> PyTree:
+        return self._combine_leaves("gather", None, value, axis, caller="MirroredStrategy.gather()")
+
+    # Helpers.
+
+    def _combine_leaves(
+        self, kind: str, op: ReduceOp | None, value: PyTree, axis: Any, *, caller: str
+    ) -> PyTree:
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        # What each replica holds, for the checks: a PerReplica's component shape, else the leaf.
+        views = [_component_view(leaf) if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
+        view_tree = jax.tree.unflatten(treedef, views)
+        if axis is None:
+            require_array_leaves(view_tree, caller=caller)
+            axes: list[tuple[int, ...]] = [()] * len(leaves)
+        else:
+            why = " to reduce along an axis" if kind == "reduce" else ""
+            axes = axes_of_leaves(view_tree, axis, caller=caller, single=kind == "gather", why=why)
+        stacked = tuple(isinstance(leaf, PerReplica) for leaf in leaves)
+        arrays = [leaf.stacked if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
+        arrays = self._adopt_foreign_arrays(arrays) or arrays
+        spec = (kind, op, len(self._devices))
+        combined = self._combine(spec, tuple(map(tuple, axes)), stacked, arrays)
+        return jax.tree.unflatten(treedef, combined)
+
+    def _on_mesh(self, array: jax.Array) -> bool:
+        return getattr(array.sharding, "mesh", None) == self._mesh
+
+    def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
+        if isinstance(leaf, PerReplica):
+            return components(leaf.stacked)
+        count = len(self._devices)
+        if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
+            by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
+            return tuple(by_device[device] for device in self._devices)
+        return (leaf,) * count
+
+    def _stack_components(self, replica_values: list[Any], where: str, caller: str) -> Any:
+        if not all(is_array_like(v) for v in replica_values):
+            if all(v == replica_values[0] for v in replica_values[1:]):
+                return replica_values[0]
+            raise TypeError(
+                f"{caller}: {where} is not an array and differs between replicas "
+                f"({', '.join(repr(v) for v in replica_values)}); return arrays, or the same value "
+                "for every replica."
+            )
+        parts = [
+            jax.device_put(v if isinstance(v, jax.Array) else np.asarray(private_copy(v)), device)
+            for v, device in zip(replica_values, self._devices, strict=True)
+        ]
+        kinds = {(part.shape, part.dtype) for part in parts}
+        if len(kinds) > 1:
+            found = [f"replica {i}: {part.dtype}{list(part.shape)}" for i, part in enumerate(parts)]
+            raise ValueError(
+                f"{caller}: {where} must have the same shape and dtype on every replica, since one "
+                f"program runs on all of them; got:{bullet_list(found)}"
+            )
+        stacked_parts = [part[None] for part in parts]
+        shape = (len(parts), *parts[0].shape)
+        return PerReplica(
+            jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, stacked_parts)
+        )
+
+
+def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, ...]:
+    if devices is None or (isinstance(devices, list | tuple) and not devices):
+        return tuple(jax.local_devices())
+    if not isinstance(devices, list | tuple):
+        raise TypeError(
+            f"MirroredStrategy(devices={devices!r}): expected a list or tuple of devices, such as "
+            "['/gpu:0', '/gpu:1'], or None for all local devices; got a "
+            f"{type(devices).__name__}. For one device, pass a one-element list."
+        )
+    resolved = tuple(
+        resolve_device(spec, caller="MirroredStrategy", argument=f"devices[{i}]")
+        for i, spec in enumerate(devices)
+    )
+    repeated = sorted({repr(d) for d in resolved if resolved.count(d) > 1})
+    if repeated:
+        raise InvalidDeviceError(
+            f"MirroredStrategy(devices={list(devices)!r}): {', '.join(repeated)} is listed more than "
+            "once; each device holds one replica. List each device once."
+        )
+    platforms = sorted({d.platform for d in resolved})
+    if len(platforms) > 1:
+        raise InvalidDeviceError(
+            f"MirroredStrategy(devices={list(devices)!r}): the devices are of different kinds "
+            f"({', '.join(platforms)}); one program runs on all replicas, so use devices of one kind."
+        )
+    return resolved
+
+
+def _component_view(leaf: PerReplica) -> np.ndarray:
+    """An array with a component's shape, without memory: what the axis checks need."""
+    return np.broadcast_to(np.uint8(0), tuple(leaf.stacked.shape[1:]))
+
+
+def _combine(
+    spec: tuple[str, ReduceOp | None, int],
+    axes: tuple[tuple[int, ...], ...],
+    stacked: tuple[bool, ...],
+    arrays: list[Any],
+) -> list[jax.Array]:
+    """Reduce or gather each leaf across replicas; compiled once per spec, axes and structure."""
+    kind, op, count = spec
+    results = []
+    for array, leaf_axes, is_stacked in zip(arrays, axes, stacked, strict=True):
+        x = jnp.asarray(array)
+        if kind == "reduce" and op is ReduceOp.MEAN and not is_stacked and not leaf_axes:
+            results.append(x)  # The mean of one value on every replica is that value.
+            continue
+        if not is_stacked:
+            x = jnp.broadcast_to(x, (count, *x.shape))
+        if kind == "gather":
+            (axis,) = leaf_axes
+            moved = jnp.moveaxis(x, 0, axis)  # (..., replicas, length, ...) -> (..., replicas * length, ...)
+            results.append(moved.reshape(*x.shape[1 : axis + 1], -1, *x.shape[axis + 2 :]))
+            continue
+        reduced_axes = (0, *(a + 1 for a in leaf_axes))
+        if op is ReduceOp.MEAN:
+            results.append(jnp.mean(x.astype(mean_dtype(x.dtype)), axis=reduced_axes))
+        else:
+            results.append(jnp.sum(x, axis=reduced_axes))
+    return results

@@ -1,0 +1,106 @@
+"""`PerReplica`: a value with one component per replica, stored as one sharded JAX array.
+
+TensorFlow keeps a tuple of per-device tensors. Here the components are stacked along a new
+leading axis into one global array sharded over the mesh's replica axis, so component `i` is
+`stacked[i]` and lives on replica `i`'s device. One array per leaf is what `jax.jit` and
+`jax.shard_map` take without any per-call assembly: `run` hands each replica its block, and
+`reduce` and `gather` are single XLA computations over the stacked array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxstrategy._src.types import PyTree
+
+
+class PerReplica:
+    """One value per replica: what `run` returns for outputs that differ between replicas, and
+    what distributed datasets yield on strategies with several replicas.
+
+    Pass it back to `run` and each replica gets its own component; combine it with
+    `strategy.reduce` or `strategy.gather`, or take its components with
+    `strategy.experimental_local_results`. Like TensorFlow's, it has no arithmetic: `v + 1` is a
+    TypeError, because it is not one array but several.
+
+    It is a pytree with one child, `stacked`: the components stacked along a new leading axis,
+    as one array sharded over the replicas (a numpy array when a dataset keeps its batches on the
+    host). `jax.tree.map` therefore maps over the stacked array.
+
+    Attributes:
+      stacked: the components stacked along axis 0; `stacked[i]` is replica `i`'s.
+      values: the components, as a tuple in replica order (TensorFlow's attribute); each is on
+        its replica's device.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+      >>> value = strategy.experimental_distribute_values_from_function(
+      ...     lambda context: jnp.float32(context.replica_id_in_sync_group))
+      >>> value
+      PerReplica:{
+        0: Array(0., dtype=float32),
+        1: Array(1., dtype=float32)
+      }
+      >>> value.stacked.shape, [v.devices() for v in value.values]
+      ((2,), [{CpuDevice(id=0)}, {CpuDevice(id=1)}])
+    """
+
+    __slots__ = ("_stacked",)
+
+    def __init__(self, stacked: Any):
+        self._stacked = stacked
+
+    @property
+    def stacked(self) -> Any:
+        return self._stacked
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        return components(self._stacked)
+
+    def __repr__(self) -> str:
+        if not _is_concrete(self._stacked):  # A tracer or a ShapeDtypeStruct has no components.
+            return f"PerReplica(stacked={self._stacked!r})"
+        lines = [f"  {i}: {component!r}" for i, component in enumerate(self.values)]
+        return "PerReplica:{\n" + ",\n".join(lines) + "\n}"
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError(
+            "A PerReplica holds one value per replica, so it cannot be used as one array. Take its "
+            "components with strategy.experimental_local_results(value), combine them with "
+            "strategy.reduce(...) or strategy.gather(...), or pass it to strategy.run, which gives "
+            "each replica its own component."
+        )
+
+
+jax.tree_util.register_pytree_node(
+    PerReplica,
+    lambda value: ((value.stacked,), None),
+    lambda _, children: PerReplica(*children),
+)
+
+
+def is_per_replica(x: Any) -> bool:
+    """Whether `x` is a `PerReplica`: the `is_leaf` that stops pytree functions at one."""
+    return isinstance(x, PerReplica)
+
+
+def components(stacked: Any) -> tuple[Any, ...]:
+    """The per-replica components of a stacked array, in replica order.
+
+    For a JAX array, each component is read from the shard on its own device, so it stays
+    there, committed; only this process's replicas are returned. A numpy array is split into
+    views.
+    """
+    if not isinstance(stacked, jax.Array):
+        return tuple(stacked[i] for i in range(len(stacked)))
+    shards = sorted(stacked.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+    return tuple(shard.data[0] for shard in shards)
+
+
+def _is_concrete(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))

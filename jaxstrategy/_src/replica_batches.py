@@ -1,0 +1,231 @@
+"""Host batches laid out for the replicas: split or grouped into equal parts, one part each.
+
+One SPMD program runs on every replica, so every replica's part of a batch must have the same
+shape. A strategy with several replicas takes its parts in one of three ways, as TensorFlow does:
+
+- `split` (`experimental_distribute_dataset`): each element is a global batch, cut along its
+  first axis into equal consecutive parts.
+- `consecutive` (`distribute_datasets_from_function`, one pipeline): each replica takes one whole
+  element, consecutive elements going to consecutive replicas.
+- `zip` (`distribute_datasets_from_function` with `PER_REPLICA`): replica `i` takes the next
+  element of pipeline `i`.
+
+The parts are stacked along a new leading axis (for `split` a reshape, without a copy), ready for
+one `jax.device_put` sharded along that axis. What cannot be made equal (a short last batch, a
+last group with fewer elements than replicas) follows `InputOptions.partial_batch`: an error that
+says what to do, a dropped batch with a warning, or zero padding with a mask of the real
+examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from jaxstrategy._src.errors import caller_stacklevel
+
+Grouping = Literal["split", "consecutive", "zip"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostElement:
+    """One element of a source, as host arrays (already private copies) and their structure."""
+
+    leaves: list[np.ndarray]
+    treedef: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """What one step receives, still on the host.
+
+    Attributes:
+      leaves: the batch's leaves; when stacked, each has a new leading axis, one entry per replica.
+      treedef: the batch's structure.
+      mask: with `partial_batch='pad'`, True for real examples (stacked like the leaves).
+    """
+
+    leaves: list[np.ndarray]
+    treedef: Any
+    mask: np.ndarray | None
+
+
+class ReplicaBatcher:
+    """Turns the host elements of one pass into `HostBatch`es for `num_replicas` replicas.
+
+    Args:
+      num_replicas: how many replicas share each batch.
+      grouping: how replicas take their parts (see the module docstring).
+      stacked: stack the parts along a new leading axis (False only for one replica, whose
+        batch is then passed on as it is).
+      partial_batch: 'error', 'drop' or 'pad' (see `InputOptions.partial_batch`).
+      caller: the call to name in messages.
+    """
+
+    def __init__(
+        self, *, num_replicas: int, grouping: Grouping, stacked: bool, partial_batch: str, caller: str
+    ):
+        if not stacked and (num_replicas != 1 or grouping != "split"):
+            raise ValueError("Unstacked batches are for a single replica that takes whole batches.")
+        self._n = num_replicas
+        self._grouping = grouping
+        self._stacked = stacked
+        self._policy = partial_batch
+        self._caller = caller
+
+    def batches(self, passes: list[Iterator[HostElement]]) -> Iterator[HostBatch]:
+        """Lay out the elements of `passes` (one iterator per input pipeline) batch by batch."""
+        if self._grouping == "split":
+            (elements,) = passes
+            for element in elements:
+                batch = self._split(element)
+                if batch is not None:
+                    yield batch
+            return
+        if self._grouping == "consecutive":
+            (elements,) = passes
+            groups: Iterator[Sequence[HostElement | None]] = _chunks(elements, self._n)
+        else:
+            groups = _zip_until_one_ends(passes)
+        for group in groups:
+            batch = self._stack(group)
+            if batch is not None:
+                yield batch
+
+    def _split(self, element: HostElement) -> HostBatch | None:
+        size = _batch_size(element)
+        pad = self._policy == "pad"
+        if not self._stacked:  # One replica takes each batch whole.
+            mask = np.ones(() if size is None else (size,), bool) if pad else None
+            return HostBatch(element.leaves, element.treedef, mask)
+        if size is None:
+            raise ValueError(
+                f"{self._caller}: a strategy with {self._n} replicas splits each batch along its "
+                "first axis, but this element has a scalar leaf or leaves of different lengths "
+                f"({_describe_shapes(element)}). Batch the dataset (every leaf with the same "
+                "leading batch size), or build per-replica elements with "
+                "distribute_datasets_from_function."
+            )
+        per_replica = math.ceil(size / self._n)
+        if size % self._n:
+            if not self._tolerate(
+                f"a batch of {size} examples, which does not split evenly over {self._n} replicas",
+                dropped=size,
+            ):
+                return None
+        padded = per_replica * self._n
+        leaves = [
+            _pad_to(leaf, padded).reshape(self._n, per_replica, *leaf.shape[1:]) for leaf in element.leaves
+        ]
+        mask = (np.arange(padded) < size).reshape(self._n, per_replica) if pad else None
+        return HostBatch(leaves, element.treedef, mask)
+
+    def _stack(self, group: Sequence[HostElement | None]) -> HostBatch | None:
+        """Stack one element per replica; None, or a group shorter than the replicas, is missing."""
+        group = [*group, *[None] * (self._n - len(group))]
+        present = [element for element in group if element is not None]
+        first = present[0]
+        for element in present[1:]:
+            if element.treedef != first.treedef:
+                raise ValueError(
+                    f"{self._caller}: the elements that make up one step differ in structure: "
+                    f"{first.treedef} and {element.treedef}. Every element must have the same "
+                    "structure."
+                )
+        batch_sizes = [_batch_size(element) for element in present]
+        unbatched = None in batch_sizes
+        sizes = [size or 0 for size in batch_sizes]
+        trailing = [[leaf.shape[0 if unbatched else 1 :] for leaf in e.leaves] for e in present]
+        if any(shapes != trailing[0] for shapes in trailing):
+            raise ValueError(
+                f"{self._caller}: the elements that make up one step have different shapes "
+                f"({'; '.join(_describe_shapes(e) for e in present)}). Only the first (batch) axis "
+                "may differ, and only with InputOptions(partial_batch='pad')."
+            )
+        if len(present) < self._n:
+            what = f"{len(present)} element(s) for the {self._n} replicas at the end of the data"
+        elif not unbatched and len(set(sizes)) > 1:
+            what = f"elements of different batch sizes {sizes} for one step"
+        else:
+            what = ""
+        if what and not self._tolerate(what, dropped=len(present) if unbatched else sum(sizes)):
+            return None
+        length = None if unbatched else max(sizes)
+        missing = [np.zeros_like(_pad_to(leaf, length)) for leaf in first.leaves]
+        leaves = [
+            np.stack([missing[i] if e is None else _pad_to(e.leaves[i], length) for e in group])
+            for i in range(len(first.leaves))
+        ]
+        if self._policy != "pad":
+            return HostBatch(leaves, first.treedef, None)
+        if unbatched:
+            mask = np.array([e is not None for e in group])
+        else:
+            mask = np.zeros((self._n, max(sizes)), bool)
+            for replica, part in enumerate(group):
+                if part is not None:
+                    mask[replica, : _batch_size(part)] = True
+        return HostBatch(leaves, first.treedef, mask)
+
+    def _tolerate(self, what: str, *, dropped: int) -> bool:
+        """Apply the partial-batch policy to `what`: raise, or warn and drop (False), or pad (True)."""
+        if self._policy == "pad":
+            return True
+        if self._policy == "drop":
+            warnings.warn(
+                f"{self._caller}: dropped {what} ({dropped} example(s)), as "
+                "InputOptions(partial_batch='drop') asks.",
+                stacklevel=caller_stacklevel(),
+            )
+            return False
+        raise ValueError(
+            f"{self._caller}: got {what}. Every replica runs the same program on the same shapes, so "
+            f"each step needs equal parts for all {self._n} replicas. Make the batch size a multiple "
+            f"of {self._n} and drop the remainder in the source (as drop_remainder=True does), or "
+            "pass InputOptions(partial_batch='drop') to skip such batches with a warning, or "
+            "partial_batch='pad' to pad them with zeros and get a mask of the real examples."
+        )
+
+
+def _batch_size(element: HostElement) -> int | None:
+    """The common length of the leaves' first axes, or None for a scalar leaf or unequal lengths."""
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in element.leaves}
+    if len(sizes) != 1:
+        return None
+    return sizes.pop()
+
+
+def _pad_to(leaf: np.ndarray, length: int | None) -> np.ndarray:
+    """`leaf` padded with zeros along axis 0 to `length` (None: unchanged)."""
+    if length is None or leaf.shape[0] == length:
+        return leaf
+    padding = np.zeros((length - leaf.shape[0], *leaf.shape[1:]), leaf.dtype)
+    return np.concatenate([leaf, padding])
+
+
+def _describe_shapes(element: HostElement) -> str:
+    shapes = [f"{leaf.dtype.name}{list(leaf.shape)}" for leaf in element.leaves]
+    return ", ".join(shapes) or "no leaves"
+
+
+def _chunks(elements: Iterator[HostElement], size: int) -> Iterator[list[HostElement]]:
+    while chunk := list(itertools.islice(elements, size)):
+        yield chunk
+
+
+def _zip_until_one_ends(passes: list[Iterator[HostElement]]) -> Iterator[list[HostElement | None]]:
+    """One element from each pass per step (None where a pass has ended); a step where some pass
+    has ended is the last."""
+    while True:
+        group = [next(elements, None) for elements in passes]
+        if all(element is None for element in group):
+            return
+        yield group
+        if None in group:
+            return
