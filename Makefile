@@ -34,6 +34,7 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python bench/run_overhead.py
 	$(BIN)/python bench/input_pipeline.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/mirrored.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import gc
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 
 def count_compiles() -> collections.Counter[str]:
@@ -19,3 +23,68 @@ def count_compiles() -> collections.Counter[str]:
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     return compiles
+
+
+# A timed loop: given a number of calls, make them and return the seconds per call.
+Loop = Callable[[int], float]
+
+
+@dataclasses.dataclass
+class Result:
+    """The per-call seconds of two variants, `base` and `other`, in every round."""
+
+    name: str
+    base: list[float]
+    other: list[float]
+
+
+def measure(name: str, base_loop: Loop, other_loop: Loop, calls: int, rounds: int) -> Result:
+    """Time both variants side by side for `rounds` rounds, alternating which goes first."""
+    result = Result(name, [], [])
+    for round_index in range(rounds):
+        gc.collect()
+        # A collection inside a timed batch would land on one variant only; timeit does the same.
+        gc.disable()
+        try:
+            if round_index % 2 == 0:
+                result.base.append(base_loop(calls))
+                result.other.append(other_loop(calls))
+            else:
+                result.other.append(other_loop(calls))
+                result.base.append(base_loop(calls))
+        finally:
+            gc.enable()
+    return result
+
+
+def percentiles_us(seconds: list[float]) -> tuple[float, float, float]:
+    """Return the median, p10 and p90 of per-call seconds, in microseconds."""
+    p10, p50, p90 = np.percentile(np.asarray(seconds) * 1e6, [10, 50, 90])
+    return float(p50), float(p10), float(p90)
+
+
+def print_table(results: list[Result], labels: tuple[str, str]) -> list[float]:
+    """Print per-call times and other/base ratios; return each case's median per-round ratio.
+
+    `labels` names the base and the other variant, such as ("jit", "run").
+    """
+    base, other = labels
+    print(
+        f"{'case':<22}{f'{base} us/call':>26}{f'{other} us/call':>26}"
+        f"{f'ratio {other}/{base}':>26}{'ratio of medians':>18}{'ratio p10-p90':>15}"
+    )
+    medians = []
+    for result in results:
+        ratios = np.asarray(result.other) / np.asarray(result.base)
+        ratio, ratio_p10, ratio_p90 = np.median(ratios), *np.percentile(ratios, [10, 90])
+        base50, base10, base90 = percentiles_us(result.base)
+        other50, other10, other90 = percentiles_us(result.other)
+        base_cell = f"{base50:.2f} ({base10:.1f}-{base90:.1f})"
+        other_cell = f"{other50:.2f} ({other10:.1f}-{other90:.1f})"
+        print(
+            f"{result.name:<22}{base_cell:>26}{other_cell:>26}"
+            f"{ratio:>26.3f}{other50 / base50:>18.3f}{f'{ratio_p10:.2f}-{ratio_p90:.2f}':>15}"
+        )
+        medians.append(float(ratio))
+    print(f"us/call: median (p10-p90) over rounds; ratio {other}/{base}: median of the per-round ratios.")
+    return medians

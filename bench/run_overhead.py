@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
-import gc
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_util import count_compiles
+from bench_util import count_compiles, measure, print_table
 
 import jaxstrategy
 
@@ -58,15 +56,6 @@ TRACES: collections.Counter[str] = collections.Counter()
 
 # A timed loop: given a number of calls, make them and return the seconds per call.
 Loop = Callable[[int], float]
-
-
-@dataclasses.dataclass
-class Result:
-    """The per-call seconds of both variants in every round."""
-
-    name: str
-    jit: list[float]
-    run: list[float]
 
 
 def make_spec_step(variant: str) -> Callable[[Any], Any]:
@@ -201,54 +190,6 @@ def build_loops(strategy: jaxstrategy.OneDeviceStrategy) -> dict[str, tuple[Loop
     }
 
 
-def measure(name: str, jit_loop: Loop, run_loop: Loop, calls: int, rounds: int) -> Result:
-    """Time both variants side by side for `rounds` rounds, alternating which goes first."""
-    result = Result(name, [], [])
-    for round_index in range(rounds):
-        gc.collect()
-        # A collection inside a timed batch would land on one variant only; timeit does the same.
-        gc.disable()
-        try:
-            if round_index % 2 == 0:
-                result.jit.append(jit_loop(calls))
-                result.run.append(run_loop(calls))
-            else:
-                result.run.append(run_loop(calls))
-                result.jit.append(jit_loop(calls))
-        finally:
-            gc.enable()
-    return result
-
-
-def percentiles_us(seconds: list[float]) -> tuple[float, float, float]:
-    """Return the median, p10 and p90 of per-call seconds, in microseconds."""
-    p10, p50, p90 = np.percentile(np.asarray(seconds) * 1e6, [10, 50, 90])
-    return float(p50), float(p10), float(p90)
-
-
-def print_table(results: list[Result]) -> list[float]:
-    """Print the per-call times and ratios; return each case's median per-round ratio."""
-    print(
-        f"{'case':<17}{'jit us/call':>20}{'run us/call':>20}"
-        f"{'ratio run/jit':>15}{'ratio of medians':>18}{'ratio p10-p90':>15}"
-    )
-    medians = []
-    for result in results:
-        ratios = np.asarray(result.run) / np.asarray(result.jit)
-        ratio, ratio_p10, ratio_p90 = np.median(ratios), *np.percentile(ratios, [10, 90])
-        jit50, jit10, jit90 = percentiles_us(result.jit)
-        run50, run10, run90 = percentiles_us(result.run)
-        jit_cell = f"{jit50:.2f} ({jit10:.1f}-{jit90:.1f})"
-        run_cell = f"{run50:.2f} ({run10:.1f}-{run90:.1f})"
-        print(
-            f"{result.name:<17}{jit_cell:>20}{run_cell:>20}"
-            f"{ratio:>15.3f}{run50 / jit50:>18.3f}{f'{ratio_p10:.2f}-{ratio_p90:.2f}':>15}"
-        )
-        medians.append(float(ratio))
-    print("us/call: median (p10-p90) over rounds; ratio run/jit: median of the per-round ratios.")
-    return medians
-
-
 def check_no_recompiles(compiles: collections.Counter[str]) -> None:
     """Exit non-zero unless every step was traced exactly once and nothing compiled while timed."""
     print("traces: " + ", ".join(f"{variant}={count}" for variant, count in sorted(TRACES.items())))
@@ -287,7 +228,7 @@ def main() -> None:
         f"{SPEC_CALLS} (spec) / {SGD_CALLS} (sgd) calls per variant\n"
     )
     results = [measure(name, *loop, args.rounds) for name, loop in loops.items()]
-    ratios = print_table(results)
+    ratios = print_table(results, ("jit", "run"))
     print()
     check_no_recompiles(compiles)
     met = all(ratio <= GOAL_RATIO for ratio in ratios)

@@ -1,7 +1,8 @@
 """The benchmarks run end to end (their --quick smoke mode); their figures are not asserted here.
 
 Each benchmark checks what it can check without timing: run_overhead fails on any recompile,
-checkpoint verifies every round trip, input_pipeline counts compiles while timed.
+checkpoint verifies every round trip, input_pipeline counts compiles while timed, mirrored
+forces two CPU devices and fails on any retrace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py"])
+@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py"])
 def test_benchmark_smoke_run(script):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / script), "--quick"],

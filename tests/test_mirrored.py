@@ -4,7 +4,10 @@ tf_semantics.md and the decisions recorded in SEMANTICS.md."""
 from __future__ import annotations
 
 import collections
+import os
 import re
+import subprocess
+import sys
 
 import chex
 import jax
@@ -593,3 +596,30 @@ def test_strategy_errors_are_clear_about_scalars_in_run_outputs(two):
     # A function returning a Python scalar gives a replicated array, as OneDeviceStrategy does.
     out = two.run(lambda: 3)
     assert out.tolist() == 3 and re.search("replica", str(out.sharding))
+
+
+_MANY_STEPS = """
+import jax, jax.numpy as jnp, jaxstrategy
+strategy = jaxstrategy.MirroredStrategy()
+params = strategy.put(jnp.ones(16))
+batch = strategy.experimental_distribute_values_from_function(lambda c: jnp.ones((16, 16)))
+
+def step(params, x):
+    grads = jaxstrategy.get_replica_context().all_reduce("mean", jnp.sum(x, axis=0) * params)
+    return params - 0.001 * grads
+
+for _ in range(2000):  # Never read: every step is dispatched ahead of the computation.
+    params = strategy.run(step, args=(params, batch))
+print("done", float(params[0]) > 0)
+"""
+
+
+def test_many_steps_in_flight_on_cpu_devices_do_not_hang():
+    # XLA's CPU client deadlocks in an all-reduce when dozens of such steps are queued (it aborts
+    # the process after 40 s); run waits for every 8th step on CPU devices to prevent it.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    done = subprocess.run(
+        [sys.executable, "-c", _MANY_STEPS], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert done.stdout == "done True\n", done.stderr[-2000:]

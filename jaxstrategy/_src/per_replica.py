@@ -14,8 +14,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxstrategy._src.types import PyTree
-
 
 class PerReplica:
     """One value per replica: what `run` returns for outputs that differ between replicas, and

@@ -67,6 +67,8 @@ class StepCache:
       adopt: given call arguments that `jax.jit` rejected with a ValueError, returns them with
         arrays committed to other devices moved onto this cache's devices, or None when none
         are; only needed when `sharding` is None (pinned `in_shardings` copy such arrays).
+      wait_every: when set, wait for every `wait_every`-th call's outputs before returning them,
+        so that no more calls are in flight (see `MirroredStrategy` on CPU devices).
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
@@ -85,9 +87,12 @@ class StepCache:
         program: Callable[[StepFn], StepFn],
         caller: str,
         adopt: Callable[[PyTree], PyTree | None] | None = None,
+        wait_every: int | None = None,
         scalars_are_static: bool = False,
     ):
         self.fast: dict[Hashable, Callable[..., Any]] = {}
+        self._wait_every = wait_every
+        self._calls_since_wait = 0
         self._sharding = sharding
         self._program = program
         self.adopt = adopt
@@ -121,7 +126,7 @@ class StepCache:
         if entry is None:
             entry = self._add(key, fn, options, count_towards_warning=not configured)
         if entry.slow_path:
-            return entry.call_partitioned(args, kwargs)
+            return self._waited(entry.call_partitioned(args, kwargs))
         try:
             result = entry.packed(args, kwargs) if kwargs else entry.positional(*args)
         except TypeError:
@@ -131,10 +136,27 @@ class StepCache:
                 raise
             entry.slow_path = True
             self.fast.pop(key, None)
-            return entry.call_partitioned(args, kwargs)
+            return self._waited(entry.call_partitioned(args, kwargs))
         if not kwargs:  # Jit options never get here: they always take the slow path.
-            self.fast[key] = entry.positional
-        return result
+            self.fast[key] = entry.positional if self._wait_every is None else self._waiting(entry.positional)
+        return self._waited(result)
+
+    def _waited(self, outputs: PyTree) -> PyTree:
+        """`outputs`, after waiting for them if this is the `wait_every`-th call since the last wait."""
+        if self._wait_every is not None:
+            self._calls_since_wait += 1
+            if self._calls_since_wait >= self._wait_every:
+                self._calls_since_wait = 0
+                jax.block_until_ready(outputs)
+        return outputs
+
+    def _waiting(self, compiled: Callable[..., PyTree]) -> Callable[..., PyTree]:
+        waited = self._waited
+
+        def call_and_maybe_wait(*args: Any) -> PyTree:
+            return waited(compiled(*args))
+
+        return call_and_maybe_wait
 
     def _add(
         self, key: Hashable, fn: StepFn, options: RunOptions | None, *, count_towards_warning: bool

@@ -66,6 +66,7 @@ class Strategy(abc.ABC):
             program=self._replica_program,
             caller=f"{name}.run()",
             adopt=self._adopt_foreign_arrays,
+            wait_every=self._run_wait_every,
         )
         self._compiled_runs = self._run_steps.fast  # Saves an attribute lookup per run().
         self._init_steps = StepCache(
@@ -100,6 +101,11 @@ class Strategy(abc.ABC):
     def _batch_layout(self) -> ReplicaLayout:
         """How distributed datasets lay batches out over the replicas."""
         return ReplicaLayout(self.sharding)
+
+    @property
+    def _run_wait_every(self) -> int | None:
+        """Wait for every this many `run` calls to finish (None: never); see MirroredStrategy."""
+        return None
 
     def _adopt_foreign_arrays(self, tree: PyTree) -> PyTree | None:
         """`tree` with arrays committed to other devices moved onto this strategy's, or None when
