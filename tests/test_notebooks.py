@@ -19,7 +19,11 @@ CELL_TIMEOUT_S = 600
 
 # Lines a notebook must print or display, by file name.
 EXPECTED_LINES = {
-    "quickstart.ipynb": ["90"],  # The spec's step_fn loop: print(result)  # 90
+    "quickstart.ipynb": [
+        "90",  # The spec's step_fn loop: print(result)  # 90
+        "[(4, 2, 3), (1, 8, 3), (1, 2, 12)]",  # The spec's gather shapes, on four replicas.
+        "same losses as on one device: True",  # MirroredStrategy trains as OneDeviceStrategy does.
+    ],
     "save_and_load.ipynb": [
         "restored step: 60",  # The newest of the steps the Checkpointer kept.
         "{(CpuDevice(id=1), True)}",  # Every restored leaf: (device, committed) under the new strategy.

@@ -320,8 +320,14 @@ class Strategy(abc.ABC):
         `__array__` or `.numpy()`); none of those libraries is imported. Every `iter()` starts a
         fresh pass with a background thread that keeps
         `options.experimental_per_replica_buffer_size` batches (2 by default: double buffering)
-        placed ahead of the step. A partial last batch is kept. A one-shot source (a generator
-        object) allows one pass; a second is an error.
+        placed ahead of the step. A one-shot source (a generator object) allows one pass; a second
+        is an error.
+
+        Each batch is a global batch. On one replica it arrives whole, a partial last batch
+        included. On several (`MirroredStrategy`) it is split along its first axis with one sharded
+        `device_put` and arrives as a `PerReplica`, one slice per replica; a batch the replicas do
+        not divide is a `ValueError` when it is reached, unless `options.partial_batch` is
+        `"drop"` (skip it, with a warning) or `"pad"` (pad it and yield `(batch, mask)` pairs).
 
         Args:
           dataset: the source of batches.
@@ -363,13 +369,18 @@ class Strategy(abc.ABC):
         """Call `dataset_fn` once per input pipeline with its `InputContext`; distribute the result.
 
         With one process there is one pipeline: `dataset_fn` is called once, with
-        `InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=...)`, and
-        its batches (the per-replica batches; they are not split) are prefetched as by
+        `InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=...)`. Its
+        elements are per-replica batches, never split: on several replicas, replica `i` of each
+        step takes the `i`-th of `num_replicas_in_sync` consecutive elements, as in TensorFlow, and
+        elements left over for fewer than all replicas follow `options.partial_batch`. With
+        `InputReplicationMode.PER_REPLICA`, `dataset_fn` is called once per replica instead, and
+        replica `i` reads the `i`-th dataset. Batches are prefetched as by
         `experimental_distribute_dataset`.
 
         Raises:
           TypeError: `dataset_fn` is not callable or returns something that is not iterable.
-          NotImplementedError: `InputReplicationMode.PER_REPLICA` on a one-replica strategy.
+          NotImplementedError: `InputReplicationMode.PER_REPLICA` on `OneDeviceStrategy`, as in
+            TensorFlow.
           StrategyContextError: called inside `run`, or inside another strategy's scope.
 
         Example:
