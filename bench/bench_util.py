@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import gc
@@ -88,3 +89,15 @@ def print_table(results: list[Result], labels: tuple[str, str]) -> list[float]:
         medians.append(float(ratio))
     print(f"us/call: median (p10-p90) over rounds; ratio {other}/{base}: median of the per-round ratios.")
     return medians
+
+
+def parse_rounds(description: str, *, full: int, quick: int) -> int:
+    """The rounds per case from the command line: `--rounds N`, or `--quick` for `quick` rounds."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=f"a smoke test: {quick} rounds")
+    parser.add_argument("--rounds", type=int, help=f"rounds per case (default {full})")
+    args = parser.parse_args()
+    rounds = args.rounds if args.rounds is not None else quick if args.quick else full
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return rounds

@@ -39,7 +39,6 @@ if not re.search(r"device_count=\d", os.environ.get("XLA_FLAGS", "")):
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     ).strip()
 
-import argparse  # noqa: E402  (JAX must not start before XLA_FLAGS is set)
 import collections  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -50,7 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_util import Loop, count_compiles, measure, print_table  # noqa: E402
+from bench_util import Loop, count_compiles, measure, parse_rounds, print_table  # noqa: E402
 from flax import nnx  # noqa: E402
 from input_pipeline import MLP, random_batch  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -213,20 +212,8 @@ def training_loops(mirrored: jaxstrategy.MirroredStrategy) -> tuple[Loop, Loop]:
     return loops[0], loops[1]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"a smoke test: {QUICK_ROUNDS} rounds")
-    parser.add_argument("--rounds", type=int, help=f"rounds per case (default {FULL_ROUNDS})")
-    args = parser.parse_args()
-    if args.rounds is None:
-        args.rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    return args
-
-
 def main() -> None:
-    args = parse_args()
+    rounds = parse_rounds(__doc__.splitlines()[0], full=FULL_ROUNDS, quick=QUICK_ROUNDS)
     strategy = jaxstrategy.MirroredStrategy()
     if strategy.num_replicas_in_sync < 2:
         sys.exit(f"FAIL: found {strategy.num_replicas_in_sync} device; XLA_FLAGS must force 2 CPU devices.")
@@ -239,12 +226,12 @@ def main() -> None:
         one_device(3)
         two_devices(3)
         compiles = count_compiles()
-        print(f"jax {jax.__version__}; {strategy!r}; {os.cpu_count()} CPU cores; {args.rounds} rounds\n")
+        print(f"jax {jax.__version__}; {strategy!r}; {os.cpu_count()} CPU cores; {rounds} rounds\n")
         print("1. run over a bare jax.jit of the same shard_map, on 2 replicas")
-        results = [measure(name, *loops, args.rounds) for name, loops in dispatch.items()]
+        results = [measure(name, *loops, rounds) for name, loops in dispatch.items()]
         ratios = print_table(results, ("jit", "run"))
         print("\n2. training step (MLP 784-512-512-10, adam, global batch 128), same code")
-        training = measure("train step", one_device, two_devices, TRAIN_CALLS, args.rounds)
+        training = measure("train step", one_device, two_devices, TRAIN_CALLS, rounds)
         (split_ratio,) = print_table([training], ("1 device", "2 devices"))
     print(f"\ntraces: {dict(sorted(TRACES.items()))}; XLA compiles while timed: {compiles['backend']}")
     if any(count != 1 for count in TRACES.values()) or compiles["backend"]:

@@ -26,7 +26,6 @@ Run it from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_util import count_compiles, measure, print_table
+from bench_util import count_compiles, measure, parse_rounds, print_table
 
 import jaxstrategy
 
@@ -202,20 +201,8 @@ def check_no_recompiles(compiles: collections.Counter[str]) -> None:
     print("OK: each step function was traced exactly once; no XLA compile while timed.")
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"a smoke test: {QUICK_ROUNDS} rounds")
-    parser.add_argument("--rounds", type=int, help=f"rounds per case (default {FULL_ROUNDS})")
-    args = parser.parse_args()
-    if args.rounds is None:
-        args.rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    return args
-
-
 def main() -> None:
-    args = parse_args()
+    rounds = parse_rounds(__doc__.splitlines()[0], full=FULL_ROUNDS, quick=QUICK_ROUNDS)
     strategy = jaxstrategy.OneDeviceStrategy()
     loops = build_loops(strategy)
     # Compile everything first; the listener then catches any compile during timing.
@@ -224,10 +211,10 @@ def main() -> None:
         run_loop(WARMUP_CALLS)
     compiles = count_compiles()
     print(
-        f"jax {jax.__version__} on {strategy.device}; {args.rounds} rounds of "
+        f"jax {jax.__version__} on {strategy.device}; {rounds} rounds of "
         f"{SPEC_CALLS} (spec) / {SGD_CALLS} (sgd) calls per variant\n"
     )
-    results = [measure(name, *loop, args.rounds) for name, loop in loops.items()]
+    results = [measure(name, *loop, rounds) for name, loop in loops.items()]
     ratios = print_table(results, ("jit", "run"))
     print()
     check_no_recompiles(compiles)
