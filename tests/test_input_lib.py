@@ -55,7 +55,7 @@ def test_len_and_cardinality_when_the_source_knows():
 def test_no_len_when_the_source_does_not_know():
     dataset = OneDeviceStrategy().experimental_distribute_dataset(_Reiterable(3))
     assert dataset.cardinality == -2
-    with pytest.raises(TypeError, match=r"has no len\(\): its source does not know how many batches"):
+    with pytest.raises(TypeError, match=r"has no len\(\): how many batches it yields is not known before"):
         len(dataset)
 
 

@@ -177,6 +177,64 @@ def test_run_traces_once_and_compiles_once_for_many_steps(four):
     assert _COMPILES["backend"] == compiles_before
 
 
+def test_inputs_not_yet_on_the_mesh_do_not_trace_the_step_again(two):
+    # JAX keys its trace cache on an input's mesh: state made with jnp.zeros and the same state
+    # coming back from the first step on the mesh would trace twice unless run places it first.
+    chex.clear_trace_counter()
+
+    @chex.assert_max_traces(n=1)
+    def step(state, x):
+        return jax.tree.map(lambda s: s + jnp.sum(x), state)
+
+    state = {"w": jnp.zeros(3), "b": jax.device_put(jnp.zeros(()), jax.devices()[3])}
+    for i in range(4):
+        state = two.run(step, args=(state, np.full(2, i, np.float32)))  # numpy: a new array each step
+    assert state["w"].tolist() == [12.0] * 3
+    assert_tree_on_strategy(state, two)
+
+
+def test_a_per_replica_with_the_wrong_number_of_components_is_an_error(two, four):
+    from_four = _per_replica(four, [0.0, 1.0, 2.0, 3.0])
+    message = r"has 2 replica\(s\), so a PerReplica must have one component per replica.*\n  {} has 4"
+    with pytest.raises(ValueError, match=message.format(re.escape("args[0]['x']"))):
+        two.run(lambda batch: batch["x"], args=({"x": from_four},))
+    with pytest.raises(ValueError, match=message.format("value")):
+        two.experimental_local_results(from_four)
+    with pytest.raises(ValueError, match=message.format(re.escape("value['loss']"))):
+        two.reduce("sum", {"loss": from_four}, axis=None)
+    with pytest.raises(ValueError, match=message.format("value")):
+        two.gather(from_four, axis=0)
+    with pytest.raises(ValueError, match=message.format(re.escape("tree[0]"))):
+        two.put([from_four])
+    with pytest.raises(ValueError, match=r"args\[0\] holds a scalar, with no axis of components"):
+        two.run(lambda x: x, args=(PerReplica(jnp.float32(1.0)),))
+
+
+def test_a_per_replica_that_the_replicas_divide_is_still_checked_once_compiled(two):
+    # Once compiled for two components, jit would take four (two per replica) without a word.
+    step = lambda x: x * 2  # noqa: E731
+    two.run(step, args=(_per_replica(two, [1.0, 2.0]),))
+    four_components = PerReplica(jax.device_put(jnp.arange(4.0), two._batch_layout.sharding))
+    with pytest.raises(ValueError, match=r"args\[0\] has 4 component\(s\)"):
+        two.run(step, args=(four_components,))
+
+
+def test_put_keeps_a_per_replica_split_over_the_replicas(two):
+    value = _per_replica(two, [1.0, 2.0])
+    placed = two.put({"v": value, "w": 3.0})
+    assert isinstance(placed["v"], PerReplica)
+    assert placed["v"].stacked.sharding.spec == jax.sharding.PartitionSpec("replica")
+    assert _local(two, placed["v"]) == [1.0, 2.0]
+    assert [v.devices() for v in placed["v"].values] == [{d} for d in two.devices]
+
+
+def test_components_of_a_stacked_array_laid_out_otherwise_are_its_rows(two):
+    replicated = PerReplica(two.put(jnp.arange(2.0)))  # Every device holds both rows.
+    assert [float(v) for v in replicated.values] == [0.0, 1.0]
+    assert _local(two, replicated) == [0.0, 1.0]
+    assert [v.devices() for v in two.experimental_local_results(replicated)] == [{d} for d in two.devices]
+
+
 def test_replica_ids_are_zero_and_one_on_two_devices(two):
     ids = two.run(lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group)
     assert isinstance(ids, PerReplica)
@@ -237,7 +295,8 @@ def test_merge_call_is_not_supported_and_says_what_to_use(two):
         return jaxstrategy.get_replica_context().merge_call(lambda strategy, v: v, args=(x,))
 
     with pytest.raises(
-        NotImplementedError, match=r"merge_call\(\) is not supported on MirroredStrategy.*all_reduce"
+        NotImplementedError,
+        match=r"merge_call\(\) is not supported: the replicas run as one SPMD program.*all_reduce",
     ):
         two.run(step, args=(1.0,))
 
@@ -426,9 +485,16 @@ def test_a_batch_that_does_not_split_evenly_is_an_error_by_default(four):
 def test_drop_skips_the_batch_with_a_warning_counting_its_examples(four):
     options = InputOptions(partial_batch="drop")
     dataset = four.experimental_distribute_dataset([np.zeros(8), np.zeros(5)], options)
-    with pytest.warns(UserWarning, match=r"dropped a batch of 5 examples.* \(5 example\(s\)\)"):
+    with pytest.warns(UserWarning, match=r"dropped a batch of 5 examples.* \(5 example\(s\)\)") as record:
         batches = list(dataset)
     assert len(batches) == 1
+    # Warned in this thread, at the loop that read the batches, not in the producer thread.
+    assert [warning.filename for warning in record] == [__file__]
+    # A dropped first batch is skipped by element_spec too, with its warning.
+    dataset = four.experimental_distribute_dataset([np.zeros(5), np.zeros(8)], options)
+    with pytest.warns(UserWarning, match="dropped a batch of 5 examples"):
+        assert dataset.element_spec.stacked.shape == (4, 2)
+    assert [x.stacked.shape for x in dataset] == [(4, 2)]
 
 
 def test_pad_yields_batches_with_a_mask_of_real_examples(four):
@@ -505,6 +571,30 @@ def test_dataset_fn_leftover_elements_follow_the_partial_batch_option(two):
     )
     last, mask = padded[-1]
     assert _local(two, last) == [[2, 3, 4], [0, 0, 0]] and _local(two, mask) == [[True] * 3, [False] * 3]
+
+
+@pytest.mark.parametrize(
+    ("distribute", "batches_left"),
+    [
+        (lambda strategy, elements, options: strategy.experimental_distribute_dataset(elements, options), 3),
+        (
+            lambda strategy, elements, options: strategy.distribute_datasets_from_function(
+                lambda _: elements, options
+            ),
+            1,
+        ),
+    ],
+    ids=["split", "consecutive"],
+)
+def test_with_drop_the_number_of_batches_is_unknown_before_reading(two, distribute, batches_left):
+    # Sizes [2, 1, 2, 2]: split drops the batch of 1; consecutive drops the step pairing 2 with 1.
+    elements = [np.zeros(n) for n in (2, 1, 2, 2)]
+    dataset = distribute(two, elements, InputOptions(partial_batch="drop"))
+    assert dataset.cardinality == -2  # tf.data's UNKNOWN_CARDINALITY
+    with pytest.raises(TypeError, match=r"partial_batch='drop'\) drops batches"):
+        len(dataset)
+    with pytest.warns(UserWarning, match="dropped"):
+        assert len(list(dataset)) == batches_left
 
 
 def test_dataset_fn_elements_of_different_sizes_are_an_error(two):
@@ -592,10 +682,11 @@ def test_checkpoints_move_between_strategies(tmp_path, four, direction):
     assert_tree_on_strategy(restored, target)
 
 
-def test_strategy_errors_are_clear_about_scalars_in_run_outputs(two):
-    # A function returning a Python scalar gives a replicated array, as OneDeviceStrategy does.
+def test_a_python_scalar_output_is_a_replicated_array(two):
+    # As on OneDeviceStrategy: a constant is the same on every replica.
     out = two.run(lambda: 3)
-    assert out.tolist() == 3 and re.search("replica", str(out.sharding))
+    assert out.tolist() == 3
+    assert out.sharding == two.sharding
 
 
 _MANY_STEPS = """

@@ -239,19 +239,16 @@ def test_replica_context_devices():
     assert seen == [(strategy.device,)]
 
 
-def test_merge_call_runs_in_cross_replica_context(strategy):
-    seen = {}
-
-    def merge_fn(merge_strategy, value):
-        seen["strategy"] = merge_strategy
-        seen["cross"] = jaxstrategy.in_cross_replica_context()
-        return value + 1
+def test_merge_call_is_refused_as_on_many_replicas(strategy):
+    # SEMANTICS: OneDeviceStrategy rejects what MirroredStrategy would reject.
+    called = []
 
     def step(x):
-        return jaxstrategy.get_replica_context().merge_call(merge_fn, args=(x,))
+        return jaxstrategy.get_replica_context().merge_call(lambda s, v: called.append(v), args=(x,))
 
-    strategy.run(step, args=(1,))
-    assert seen == {"strategy": strategy, "cross": True}
+    with pytest.raises(NotImplementedError, match=r"merge_call\(\) is not supported.*all_reduce"):
+        strategy.run(step, args=(1,))
+    assert called == []
 
 
 def test_merge_call_rejects_a_non_callable():

@@ -262,33 +262,38 @@ class ReplicaContext:
     def merge_call(
         self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        """Call `merge_fn(strategy, *args, **kwargs)` in the cross-replica context and return its result.
+        """Not supported: raises NotImplementedError, on every strategy.
 
-        Only on a one-replica strategy; see Raises.
+        TensorFlow stops every replica's thread here, runs `merge_fn(strategy, *args)` once in
+        the cross-replica context, and resumes the replicas with its result. Here the replicas
+        run as one SPMD program, which cannot stop to run Python across them. `OneDeviceStrategy`
+        could run it, but refuses as well, so that code tested on one device works on many.
+        `all_reduce` and `all_gather` cover what `merge_fn` usually does (combine values across
+        replicas); anything else belongs outside `run`, on the values `run` returns.
 
         Raises:
-          NotImplementedError: on a strategy with a replica axis (MirroredStrategy).
+          TypeError: `merge_fn` is not callable.
+          NotImplementedError: always, otherwise; the message says what to use instead.
 
         Example:
           >>> import jaxstrategy
           >>> def step(x):
-          ...     context = jaxstrategy.get_replica_context()
           ...     total = lambda strategy, v: strategy.reduce('sum', v, axis=None)
-          ...     return context.merge_call(total, args=(x,))
-          >>> jaxstrategy.OneDeviceStrategy().run(step, args=(4,)).tolist()
-          4
+          ...     return jaxstrategy.get_replica_context().merge_call(total, args=(x,))
+          >>> jaxstrategy.OneDeviceStrategy().run(step, args=(4,))
+          Traceback (most recent call last):
+          ...
+          NotImplementedError: ReplicaContext.merge_call() is not supported: ...
         """
         if not callable(merge_fn):
             raise TypeError(f"ReplicaContext.merge_call(): merge_fn must be callable; got {merge_fn!r}.")
-        if self._axis_name is not None:
-            raise NotImplementedError(
-                f"ReplicaContext.merge_call() is not supported on {type(self._strategy).__name__}: the "
-                "replicas run as one SPMD program, which cannot stop to run Python code across them. "
-                "Combine values with all_reduce() or all_gather() inside run, or return them from "
-                "run and call strategy.reduce() or strategy.gather() outside."
-            )
-        with entered(self._strategy):
-            return merge_fn(self._strategy, *args, **(kwargs or {}))
+        raise NotImplementedError(
+            "ReplicaContext.merge_call() is not supported: the replicas run as one SPMD program, "
+            "which cannot stop to run Python code across them (OneDeviceStrategy refuses too, so "
+            "that code tested on one device works on many). Combine values with all_reduce() or "
+            "all_gather() inside run, or return them from run and call strategy.reduce() or "
+            "strategy.gather() outside."
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

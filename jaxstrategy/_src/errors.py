@@ -27,6 +27,13 @@ def format_path(prefix: str, path: Sequence[Any]) -> str:
     return prefix + jax.tree_util.keystr(tuple(path))
 
 
+def format_argument_path(path: Sequence[Any]) -> str:
+    """Return the key path of a leaf of `(args, kwargs)` as the call's argument, e.g. `args[0]['w']`
+    or `kwargs['scale']`."""
+    group, rest = path[0], path[1:]
+    return format_path("args" if group.idx == 0 else "kwargs", rest)
+
+
 def bullet_list(lines: Sequence[str]) -> str:
     """Join lines into an indented list, one per line, for multi-problem messages."""
     return "".join(f"\n  {line}" for line in lines)

@@ -28,7 +28,7 @@ from jaxstrategy._src.errors import (
 from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
-from jaxstrategy._src.replica_batches import Grouping, HostBatch, HostElement, ReplicaBatcher
+from jaxstrategy._src.replica_batches import DroppedBatch, Grouping, HostBatch, HostElement, ReplicaBatcher
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree
 from jaxstrategy._src.variables import private_copy, put_private
@@ -104,7 +104,9 @@ class BatchPlacer:
         self._layout = layout
         self._on_device = on_device
 
-    def __call__(self, batch: HostBatch) -> _Batch:
+    def __call__(self, batch: HostBatch | DroppedBatch) -> _Batch | DroppedBatch:
+        if isinstance(batch, DroppedBatch):
+            return batch  # Passed on for the consumer to warn about.
         leaves = batch.leaves if batch.mask is None else [*batch.leaves, batch.mask]
         placed = put_private(leaves, self._layout.sharding) if self._on_device else leaves
         signature = _Signature(batch.treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
@@ -186,15 +188,16 @@ def _grouped_cardinality(
     if any(c < 0 for c in cardinalities):
         infinite = all(c == INFINITE_CARDINALITY for c in cardinalities)
         return INFINITE_CARDINALITY if infinite else UNKNOWN_CARDINALITY
+    if options.partial_batch == "drop" and num_replicas > 1:
+        # Which batches are dropped depends on their sizes, which are not known before reading.
+        return UNKNOWN_CARDINALITY
     if grouping == "split":
-        # With 'drop' on several replicas, which batches are dropped depends on their sizes.
-        dropping = options.partial_batch == "drop" and num_replicas > 1
-        return UNKNOWN_CARDINALITY if dropping else cardinalities[0]
+        return cardinalities[0]
     if grouping == "zip":
         shortest, longest = min(cardinalities), max(cardinalities)
-        return shortest + (longest > shortest and options.partial_batch != "drop")
+        return shortest + (longest > shortest)
     whole, rest = divmod(cardinalities[0], num_replicas)
-    return whole + (rest > 0 and options.partial_batch != "drop")
+    return whole + (rest > 0)
 
 
 class DistributedDataset:
@@ -261,8 +264,10 @@ class DistributedDataset:
     def __len__(self) -> int:
         if self._cardinality < 0:
             raise TypeError(
-                "This distributed dataset has no len(): its source does not know how many batches "
-                f"it holds (cardinality {self._cardinality}). Count them, or use `cardinality`."
+                "This distributed dataset has no len(): how many batches it yields is not known "
+                f"before reading them (cardinality {self._cardinality}), because its source has no "
+                "len() or because InputOptions(partial_batch='drop') drops batches the replicas do "
+                "not divide. Count them, or use `cardinality`."
             )
         return self._cardinality
 
@@ -347,7 +352,7 @@ class DistributedIterator:
       ([0.0, 0.0], True, [1.0, 1.0], False)
     """
 
-    def __init__(self, prefetch: PrefetchIterator[_Batch], batches: _BatchTracker):
+    def __init__(self, prefetch: PrefetchIterator[_Batch | DroppedBatch], batches: _BatchTracker):
         self._prefetch = prefetch
         self._batches = batches
         self._previous_differed = False
@@ -361,9 +366,21 @@ class DistributedIterator:
                 "next(iterator) should be called outside the function given to run(), e.g. "
                 "strategy.run(step_fn, args=(next(iterator),))."
             )
-        batch = next(self._prefetch)
+        batch = self._next_batch()
         self._previous_differed = self._batches.differs(batch, previous_differed=self._previous_differed)
         return batch.value
+
+    def _next_batch(self) -> _Batch:
+        """The next placed batch, after warning (here, in the user's thread) about dropped ones."""
+        while isinstance(item := next(self._prefetch), DroppedBatch):
+            warnings.warn(item.message, stacklevel=caller_stacklevel())
+        return item
+
+    def _peek_batch(self) -> _Batch:
+        while isinstance(item := self._prefetch.peek(), DroppedBatch):
+            next(self._prefetch)
+            warnings.warn(item.message, stacklevel=caller_stacklevel())
+        return item
 
     def get_next(self) -> PyTree:
         """Return the next batch; raise `OutOfRangeError` after the last one."""
@@ -391,7 +408,7 @@ class DistributedIterator:
         """
         if self._batches.element_spec is None:
             try:
-                self._batches.record(self._prefetch.peek())
+                self._batches.record(self._peek_batch())
             except StopIteration:
                 raise ValueError("This distributed dataset is empty, so it has no element_spec.") from None
         return self._batches.element_spec

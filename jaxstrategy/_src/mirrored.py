@@ -25,9 +25,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxstrategy._src import contexts
 from jaxstrategy._src.contexts import ReplicaContext, ValueContext
 from jaxstrategy._src.device_spec import resolve_device
-from jaxstrategy._src.errors import InvalidDeviceError, bullet_list, caller_stacklevel, format_path
+from jaxstrategy._src.errors import (
+    InvalidDeviceError,
+    bullet_list,
+    caller_stacklevel,
+    format_argument_path,
+    format_path,
+)
 from jaxstrategy._src.input_lib import ReplicaLayout
-from jaxstrategy._src.per_replica import PerReplica, components, is_per_replica
+from jaxstrategy._src.per_replica import PerReplica, check_replica_count, components, is_per_replica
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
 from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
 from jaxstrategy._src.strategy import Strategy
@@ -37,6 +43,14 @@ from jaxstrategy._src.variables import private_copy
 
 # How many `run` steps may be queued on several CPU devices before one is waited for.
 _CPU_STEPS_IN_FLIGHT = 8
+
+
+def _describe_tree_path(path: Any) -> str:
+    return format_path("tree", path)
+
+
+def _describe_value_path(path: Any) -> str:
+    return format_path("value", path)
 
 
 class MirroredStrategy(Strategy):
@@ -186,6 +200,12 @@ class MirroredStrategy(Strategy):
           >>> [(int(i), i.devices()) for i in strategy.experimental_local_results(ids)]
           [(0, {CpuDevice(id=0)}), (1, {CpuDevice(id=1)})]
         """
+        check_replica_count(
+            value,
+            len(self._devices),
+            caller="MirroredStrategy.experimental_local_results()",
+            describe=_describe_value_path,
+        )
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         per_leaf = [self._local_copies(leaf) for leaf in leaves]
         count = len(self._devices)
@@ -235,7 +255,11 @@ class MirroredStrategy(Strategy):
     # Hooks of Strategy.
 
     @property
-    def _run_sharding(self) -> None:
+    def _run_input_shardings(self) -> Callable[[PyTree], PyTree]:
+        return self._run_inputs_layout
+
+    @property
+    def _run_output_sharding(self) -> None:
         return None  # The shard_map decides each leaf's sharding.
 
     @property
@@ -266,23 +290,24 @@ class MirroredStrategy(Strategy):
     def _default_device_scope(self) -> Any:
         return jax.default_device(self._devices[0])
 
-    def _adopt_foreign_arrays(self, tree: PyTree) -> PyTree | None:
-        moved = False
+    def _shardings_for(
+        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
+    ) -> jax.sharding.Sharding | PyTree:
+        """Where the leaves of `tree` go: a `PerReplica` split over the replicas, the rest
+        replicated. One sharding when `tree` holds no `PerReplica`, else a tree of them."""
+        describe = describe or _describe_tree_path
+        check_replica_count(tree, len(self._devices), caller=caller, describe=describe)
+        if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(tree, is_leaf=is_per_replica)):
+            return self._sharding
+        return jax.tree.map(
+            lambda leaf: self._stacked_sharding if isinstance(leaf, PerReplica) else self._sharding,
+            tree,
+            is_leaf=is_per_replica,
+        )
 
-        def adopt(leaf: Any) -> Any:
-            nonlocal moved
-            if isinstance(leaf, PerReplica):
-                stacked = leaf.stacked
-                if isinstance(stacked, jax.Array) and not self._on_mesh(stacked):
-                    moved = True
-                    return PerReplica(jax.device_put(stacked, self._stacked_sharding))
-            elif isinstance(leaf, jax.Array) and not self._on_mesh(leaf):
-                moved = True
-                return jax.device_put(leaf, self._sharding)
-            return leaf
-
-        adopted = jax.tree.map(adopt, tree, is_leaf=is_per_replica)
-        return adopted if moved else None
+    def _run_inputs_layout(self, args_and_kwargs: PyTree) -> jax.sharding.Sharding | PyTree:
+        caller = "MirroredStrategy.run()"
+        return self._shardings_for(args_and_kwargs, caller=caller, describe=format_argument_path)
 
     def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
         return self._combine_leaves("reduce", op, value, axis, caller="MirroredStrategy.reduce()")
@@ -295,6 +320,7 @@ class MirroredStrategy(Strategy):
     def _combine_leaves(
         self, kind: str, op: ReduceOp | None, value: PyTree, axis: Any, *, caller: str
     ) -> PyTree:
+        check_replica_count(value, len(self._devices), caller=caller, describe=_describe_value_path)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         # What each replica holds, for the checks: a PerReplica's component shape, else the leaf.
         views = [_component_view(leaf) if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
@@ -307,7 +333,9 @@ class MirroredStrategy(Strategy):
             axes = axes_of_leaves(view_tree, axis, caller=caller, single=kind == "gather", why=why)
         stacked = tuple(isinstance(leaf, PerReplica) for leaf in leaves)
         arrays = [leaf.stacked if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
-        arrays = self._adopt_foreign_arrays(arrays) or arrays
+        # Onto this mesh first (a no-op for what is there already): `_combine` pins no inputs.
+        shardings = [self._stacked_sharding if is_stacked else self._sharding for is_stacked in stacked]
+        arrays = jax.device_put(arrays, shardings)
         spec = (kind, op, len(self._devices))
         combined = self._combine(spec, tuple(map(tuple, axes)), stacked, arrays)
         return jax.tree.unflatten(treedef, combined)
@@ -317,7 +345,7 @@ class MirroredStrategy(Strategy):
 
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
         if isinstance(leaf, PerReplica):
-            return components(leaf.stacked)
+            return components(jax.device_put(leaf.stacked, self._stacked_sharding))
         count = len(self._devices)
         if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
             by_device = {shard.device: shard.data for shard in leaf.addressable_shards}

@@ -9,10 +9,13 @@ leading axis into one global array sharded over the mesh's replica axis, so comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxstrategy._src.errors import bullet_list
 
 
 class PerReplica:
@@ -90,14 +93,48 @@ def is_per_replica(x: Any) -> bool:
 def components(stacked: Any) -> tuple[Any, ...]:
     """The per-replica components of a stacked array, in replica order.
 
-    For a JAX array, each component is read from the shard on its own device, so it stays
-    there, committed; only this process's replicas are returned. A numpy array is split into
-    views.
+    For a JAX array split one component per device (as `run` and the datasets make them), each
+    component is read from the shard on its own device, so it stays there, committed; only this
+    process's replicas are returned. Any other array is sliced: a numpy array into views, a JAX
+    array laid out otherwise (replicated, say) into arrays where it is.
     """
-    if not isinstance(stacked, jax.Array):
-        return tuple(stacked[i] for i in range(len(stacked)))
-    shards = sorted(stacked.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-    return tuple(shard.data[0] for shard in shards)
+    if isinstance(stacked, jax.Array) and _one_component_per_shard(stacked):
+        shards = sorted(stacked.addressable_shards, key=lambda shard: shard.index[0].start)
+        return tuple(shard.data[0] for shard in shards)
+    return tuple(stacked[i] for i in range(len(stacked)))
+
+
+def _one_component_per_shard(stacked: jax.Array) -> bool:
+    starts = set()
+    for shard in stacked.addressable_shards:
+        rows = shard.index[0] if shard.index else slice(None)
+        if rows.start is None or rows.stop != rows.start + 1:
+            return False
+        starts.add(rows.start)
+    return len(starts) == len(stacked.addressable_shards)
+
+
+def check_replica_count(tree: Any, count: int, *, caller: str, describe: Callable[[Any], str]) -> None:
+    """Raise a ValueError naming every `PerReplica` in `tree` whose component count is not `count`.
+
+    `describe` turns a leaf's key path into its name in the message, such as `value['loss']`.
+    """
+    wrong = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0]:
+        if isinstance(leaf, PerReplica):
+            shape = np.shape(leaf.stacked) if isinstance(leaf.stacked, np.ndarray) else leaf.stacked.shape
+            if not shape:
+                wrong.append(f"{describe(path)} holds a scalar, with no axis of components")
+            elif shape[0] != count:
+                wrong.append(f"{describe(path)} has {shape[0]} component(s)")
+    if wrong:
+        raise ValueError(
+            f"{caller}: this strategy has {count} replica(s), so a PerReplica must have one "
+            f"component per replica, but:{bullet_list(wrong)}\nA PerReplica belongs to the strategy "
+            "that made it (its run, datasets or experimental_distribute_values_from_function). "
+            "Take its components with that strategy's experimental_local_results and build the "
+            "value for this one, for example with experimental_distribute_values_from_function."
+        )
 
 
 def _is_concrete(x: Any) -> bool:

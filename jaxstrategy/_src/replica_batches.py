@@ -14,7 +14,8 @@ The parts are stacked along a new leading axis (for `split` a reshape, without a
 one `jax.device_put` sharded along that axis. What cannot be made equal (a short last batch, a
 last group with fewer elements than replicas) follows `InputOptions.partial_batch`: an error that
 says what to do, a dropped batch with a warning, or zero padding with a mask of the real
-examples.
+examples. This runs in the producer thread, so a dropped batch becomes a `DroppedBatch` in the
+stream, for the consumer to warn about where the user's loop reads it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
-
-from jaxstrategy._src.errors import caller_stacklevel
 
 Grouping = Literal["split", "consecutive", "zip"]
 
@@ -56,6 +54,13 @@ class HostBatch:
     mask: np.ndarray | None
 
 
+@dataclasses.dataclass(frozen=True)
+class DroppedBatch:
+    """Stands in the stream for a batch dropped under `partial_batch='drop'`: what to warn."""
+
+    message: str
+
+
 class ReplicaBatcher:
     """Turns the host elements of one pass into `HostBatch`es for `num_replicas` replicas.
 
@@ -79,14 +84,12 @@ class ReplicaBatcher:
         self._policy = partial_batch
         self._caller = caller
 
-    def batches(self, passes: list[Iterator[HostElement]]) -> Iterator[HostBatch]:
+    def batches(self, passes: list[Iterator[HostElement]]) -> Iterator[HostBatch | DroppedBatch]:
         """Lay out the elements of `passes` (one iterator per input pipeline) batch by batch."""
         if self._grouping == "split":
             (elements,) = passes
             for element in elements:
-                batch = self._split(element)
-                if batch is not None:
-                    yield batch
+                yield self._split(element)
             return
         if self._grouping == "consecutive":
             (elements,) = passes
@@ -94,11 +97,9 @@ class ReplicaBatcher:
         else:
             groups = _zip_until_one_ends(passes)
         for group in groups:
-            batch = self._stack(group)
-            if batch is not None:
-                yield batch
+            yield self._stack(group)
 
-    def _split(self, element: HostElement) -> HostBatch | None:
+    def _split(self, element: HostElement) -> HostBatch | DroppedBatch:
         size = _batch_size(element)
         pad = self._policy == "pad"
         if not self._stacked:  # One replica takes each batch whole.
@@ -114,11 +115,10 @@ class ReplicaBatcher:
             )
         per_replica = math.ceil(size / self._n)
         if size % self._n:
-            if not self._tolerate(
-                f"a batch of {size} examples, which does not split evenly over {self._n} replicas",
-                dropped=size,
-            ):
-                return None
+            what = f"a batch of {size} examples, which does not split evenly over {self._n} replicas"
+            dropped = self._tolerate(what, dropped=size)
+            if dropped is not None:
+                return dropped
         padded = per_replica * self._n
         leaves = [
             _pad_to(leaf, padded).reshape(self._n, per_replica, *leaf.shape[1:]) for leaf in element.leaves
@@ -126,7 +126,7 @@ class ReplicaBatcher:
         mask = (np.arange(padded) < size).reshape(self._n, per_replica) if pad else None
         return HostBatch(leaves, element.treedef, mask)
 
-    def _stack(self, group: Sequence[HostElement | None]) -> HostBatch | None:
+    def _stack(self, group: Sequence[HostElement | None]) -> HostBatch | DroppedBatch:
         """Stack one element per replica; None, or a group shorter than the replicas, is missing."""
         group = [*group, *[None] * (self._n - len(group))]
         present = [element for element in group if element is not None]
@@ -154,8 +154,10 @@ class ReplicaBatcher:
             what = f"elements of different batch sizes {sizes} for one step"
         else:
             what = ""
-        if what and not self._tolerate(what, dropped=len(present) if unbatched else sum(sizes)):
-            return None
+        if what:
+            dropped = self._tolerate(what, dropped=len(present) if unbatched else sum(sizes))
+            if dropped is not None:
+                return dropped
         length = None if unbatched else max(sizes)
         missing = [np.zeros_like(_pad_to(leaf, length)) for leaf in first.leaves]
         leaves = [
@@ -173,17 +175,16 @@ class ReplicaBatcher:
                     mask[replica, : _batch_size(part)] = True
         return HostBatch(leaves, first.treedef, mask)
 
-    def _tolerate(self, what: str, *, dropped: int) -> bool:
-        """Apply the partial-batch policy to `what`: raise, or warn and drop (False), or pad (True)."""
+    def _tolerate(self, what: str, *, dropped: int) -> DroppedBatch | None:
+        """Apply the partial-batch policy to `what`: raise, drop it (a `DroppedBatch`), or pad it
+        (None: go on)."""
         if self._policy == "pad":
-            return True
+            return None
         if self._policy == "drop":
-            warnings.warn(
+            return DroppedBatch(
                 f"{self._caller}: dropped {what} ({dropped} example(s)), as "
-                "InputOptions(partial_batch='drop') asks.",
-                stacklevel=caller_stacklevel(),
+                "InputOptions(partial_batch='drop') asks."
             )
-            return False
         raise ValueError(
             f"{self._caller}: got {what}. Every replica runs the same program on the same shapes, so "
             f"each step needs equal parts for all {self._n} replicas. Make the batch size a multiple "

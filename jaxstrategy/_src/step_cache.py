@@ -8,6 +8,18 @@ jit's C++ dispatch flattens the arguments and places them through the pinned `in
 device are copied). Keyword arguments go through a second wrapper that takes `(args, kwargs)`,
 because jit cannot pin `in_shardings` for keyword arguments.
 
+Where the inputs go may depend on the arguments (on several replicas a `PerReplica` is split over
+them and the rest replicated): the cache then asks `in_shardings(args_and_kwargs)` on the slow
+path and keeps one jit per answer; the fast path calls the jit of the last answer, and a call
+that does not fit it (jit raises ValueError) takes the slow path.
+
+On one device, pinning alone traces a function once for placed and unplaced inputs alike. Over a
+mesh it does not: JAX's trace cache keys on an input's mesh, so an array not yet on the mesh
+(made with `jnp.zeros`, say) and the same array coming back from a step trace the step twice. So
+there the slow path, which every function's first call takes, first moves JAX arrays that are not
+where their layout puts them. numpy arrays and Python scalars carry no mesh on any call, so they
+are left to jit.
+
 Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
 rejects them before tracing, so the first such call takes the slow path: the arguments are
 flattened, the non-array leaves become one hashable static argument, and that function stays on
@@ -27,7 +39,7 @@ from typing import Any, cast
 
 import jax
 
-from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_path
+from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_argument_path
 from jaxstrategy._src.options import RunOptions
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
@@ -60,13 +72,12 @@ class StepCache:
     the program drops is freed, with its device arrays, and its entries go with it.
 
     Args:
-      sharding: where inputs are placed and outputs committed; None leaves placement to `jax.jit`
-        and to what `program` returns (a `shard_map` decides it for each leaf).
+      in_shardings: where inputs are placed: a sharding for every input, or a function that,
+        given `(args, kwargs)`, returns a sharding or a tree of them shaped like `(args, kwargs)`.
+      out_shardings: where outputs are committed; None leaves it to what `program` returns (a
+        `shard_map` decides it for each leaf).
       program: wraps a step function into what is traced, such as the function run in the
         replica context, or a `shard_map` of it over the replicas.
-      adopt: given call arguments that `jax.jit` rejected with a ValueError, returns them with
-        arrays committed to other devices moved onto this cache's devices, or None when none
-        are; only needed when `sharding` is None (pinned `in_shardings` copy such arrays).
       wait_every: when set, wait for every `wait_every`-th call's outputs before returning them,
         so that no more calls are in flight (see `MirroredStrategy` on CPU devices).
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
@@ -83,19 +94,20 @@ class StepCache:
     def __init__(
         self,
         *,
-        sharding: jax.sharding.Sharding | None,
+        in_shardings: jax.sharding.Sharding | Callable[[PyTree], PyTree],
+        out_shardings: jax.sharding.Sharding | None,
         program: Callable[[StepFn], StepFn],
         caller: str,
-        adopt: Callable[[PyTree], PyTree | None] | None = None,
         wait_every: int | None = None,
         scalars_are_static: bool = False,
     ):
         self.fast: dict[Hashable, Callable[..., Any]] = {}
         self._wait_every = wait_every
         self._calls_since_wait = 0
-        self._sharding = sharding
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
+        self._settle_arrays = not isinstance(in_shardings, jax.sharding.SingleDeviceSharding)
         self._program = program
-        self.adopt = adopt
         self._caller = caller
         self._scalars_are_static = scalars_are_static
         self._entries: dict[Hashable, _CompiledStep] = {}
@@ -103,19 +115,6 @@ class StepCache:
 
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
-    ) -> PyTree:
-        try:
-            return self._call(fn, args, kwargs, options)
-        except ValueError:
-            # Without pinned in_shardings, jit refuses arrays committed to other devices.
-            adopted = None if self.adopt is None else self.adopt((args, kwargs))
-            if adopted is None:
-                raise
-            adopted_args, adopted_kwargs = adopted
-            return self._call(fn, adopted_args, adopted_kwargs, options)
-
-    def _call(
-        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
         key = function_key(fn)
         jit_options = _jit_options(options)
@@ -125,10 +124,17 @@ class StepCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._add(key, fn, options, count_towards_warning=not configured)
+        layout = self._layout((args, kwargs))
+        if self._settle_arrays:
+            args, kwargs = layout.settle((args, kwargs))
         if entry.slow_path:
-            return self._waited(entry.call_partitioned(args, kwargs))
+            return self._waited(entry.call_partitioned(layout, args, kwargs))
+        if kwargs:
+            compiled = entry.jitted("packed", layout.inputs, layout.outputs)
+        else:
+            compiled = entry.jitted("positional", layout.for_positional(), layout.outputs)
         try:
-            result = entry.packed(args, kwargs) if kwargs else entry.positional(*args)
+            result = compiled(args, kwargs) if kwargs else compiled(*args)
         except TypeError:
             # jit rejects non-array arguments before tracing; a TypeError with only array leaves
             # came from the function itself.
@@ -136,10 +142,20 @@ class StepCache:
                 raise
             entry.slow_path = True
             self.fast.pop(key, None)
-            return self._waited(entry.call_partitioned(args, kwargs))
+            return self._waited(entry.call_partitioned(layout, args, kwargs))
         if not kwargs:  # Jit options never get here: they always take the slow path.
-            self.fast[key] = entry.positional if self._wait_every is None else self._waiting(entry.positional)
+            self.fast[key] = compiled if self._wait_every is None else self._waiting(compiled)
         return self._waited(result)
+
+    @property
+    def layouts_vary(self) -> bool:
+        """Whether where inputs go depends on the arguments (`in_shardings` is a function)."""
+        return not isinstance(self._in_shardings, jax.sharding.Sharding)
+
+    def _layout(self, args_and_kwargs: PyTree) -> _Layout:
+        if isinstance(self._in_shardings, jax.sharding.Sharding):
+            return _Layout(self._in_shardings, self._out_shardings)
+        return _Layout(self._in_shardings(args_and_kwargs), self._out_shardings)
 
     def _waited(self, outputs: PyTree) -> PyTree:
         """`outputs`, after waiting for them if this is the `wait_every`-th call since the last wait."""
@@ -165,9 +181,7 @@ class StepCache:
             self._evict(next(iter(self._entries)))
         if count_towards_warning:
             self._warn_on_repeated_code(fn)
-        entry = _CompiledStep(
-            fn, self._sharding, self._program, self._caller, options, self._scalars_are_static
-        )
+        entry = _CompiledStep(fn, self._program, self._caller, options, self._scalars_are_static)
         # When the function (or the method's object) is collected, its entry goes too; the id in
         # the key cannot be reused before then.
         owner = fn.__self__ if type(fn) is types.MethodType else fn
@@ -204,13 +218,46 @@ class StepCache:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where one call's inputs go (a sharding, or a tree of them shaped like `(args, kwargs)`) and
+    where its outputs go (None: where the program puts them)."""
+
+    inputs: Any
+    outputs: jax.sharding.Sharding | None
+
+    def for_positional(self) -> Any:
+        """`in_shardings` for a call with the positional arguments only."""
+        return self.inputs if isinstance(self.inputs, jax.sharding.Sharding) else self.inputs[0]
+
+    def for_leaves(self, count: int) -> list[Any]:
+        """One sharding per leaf of `(args, kwargs)`."""
+        if isinstance(self.inputs, jax.sharding.Sharding):
+            return [self.inputs] * count
+        return jax.tree.leaves(self.inputs)
+
+    def settle(self, args_and_kwargs: PyTree) -> Any:
+        """`args_and_kwargs` with each JAX array that is not where this layout puts it moved there."""
+        leaves, treedef = jax.tree.flatten(args_and_kwargs)
+        shardings = self.for_leaves(len(leaves))
+        settled = [
+            jax.device_put(leaf, where) if isinstance(leaf, jax.Array) and leaf.sharding != where else leaf
+            for leaf, where in zip(leaves, shardings, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, settled)
+
+    def for_partitioned(self, donated: list[Any], kept: list[Any]) -> Any:
+        """`in_shardings` for a call with the donated and the kept leaves, given their shardings."""
+        return self.inputs if isinstance(self.inputs, jax.sharding.Sharding) else (donated, kept)
+
+
 class _CompiledStep:
-    """The jitted wrappers of one step function: a fast one, and one for static or donated leaves."""
+    """The jitted wrappers of one step function: a fast one, and one for static or donated leaves,
+    each compiled per input layout."""
 
     def __init__(
         self,
         fn: StepFn,
-        sharding: jax.sharding.Sharding | None,
         program: Callable[[StepFn], StepFn],
         caller: str,
         options: RunOptions | None,
@@ -246,31 +293,50 @@ class _CompiledStep:
             # JAX names the compiled program, and points its tracing errors, at the user's code.
             wrapper.__name__ = wrapper.__qualname__ = source.__name__
             wrapper.__wrapped__ = source
-        pinned: dict[str, Any] = {}
-        if sharding is not None:
-            pinned = {"in_shardings": sharding, "out_shardings": sharding}
-        self.positional = jax.jit(call_positional, **pinned)
-        self.packed = jax.jit(call_packed, **pinned)
-        self._partitioned = jax.jit(
-            call_with_static,
-            static_argnums=0,
-            donate_argnums=1 if self._donate_argnums or self._donate_argnames else (),
-            **pinned,
-        )
+        self._wrappers = {
+            "positional": call_positional,
+            "packed": call_packed,
+            "partitioned": call_with_static,
+        }
+        self._jitted: dict[Hashable, Callable[..., PyTree]] = {}
 
-    def call_partitioned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-        return self._partitioned(*self._partition(args, kwargs))
+    def jitted(
+        self, kind: str, in_shardings: Any, out_shardings: jax.sharding.Sharding | None
+    ) -> Callable[..., PyTree]:
+        """The jit of the `kind` wrapper ("positional", "packed" or "partitioned") with these
+        shardings, made on first use."""
+        leaves, treedef = jax.tree.flatten(in_shardings)
+        key = (kind, treedef, tuple(leaves), out_shardings)
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            pinned: dict[str, Any] = {"in_shardings": in_shardings}
+            if out_shardings is not None:
+                pinned["out_shardings"] = out_shardings
+            if kind == "partitioned":
+                donate = self._donate_argnums or self._donate_argnames
+                pinned.update(static_argnums=0, donate_argnums=1 if donate else ())
+            jitted = self._jitted[key] = jax.jit(self._wrappers[kind], **pinned)
+        return jitted
+
+    def call_partitioned(self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+        spec, donated, kept, (donated_shardings, kept_shardings) = self._partition(layout, args, kwargs)
+        in_shardings = layout.for_partitioned(donated_shardings, kept_shardings)
+        return self.jitted("partitioned", in_shardings, layout.outputs)(spec, donated, kept)
 
     def _partition(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_StaticSpec, list[Any], list[Any]]:
+        self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_StaticSpec, list[Any], list[Any], tuple[list[Any], list[Any]]]:
+        """Sort the leaves of `(args, kwargs)` into static, donated and kept ones; also returns
+        the shardings of the donated and of the kept leaves."""
         self._check_donated_arguments_exist(args, kwargs)
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaf_shardings = layout.for_leaves(len(path_leaves))
         kinds, static, donated, kept = [], [], [], []
+        donated_shardings, kept_shardings = [], []
         unhashable: list[str] = []
         donated_paths: dict[int, str] = {}
-        for path, leaf in path_leaves:
-            where = _argument_name(path)
+        for (path, leaf), sharding in zip(path_leaves, leaf_shardings, strict=True):
+            where = format_argument_path(path)
             if (
                 not is_array_like(leaf)
                 or (self.scalars_are_static and isinstance(leaf, PYTHON_SCALARS))
@@ -283,6 +349,7 @@ class _CompiledStep:
             elif _names(path, self._donate_argnums, self._donate_argnames):
                 kinds.append(_DONATED)
                 donated.append(leaf)
+                donated_shardings.append(sharding)
                 if isinstance(leaf, jax.Array):  # Only arrays have buffers; Python numbers are shared.
                     if id(leaf) in donated_paths:
                         raise self._donated_twice(donated_paths[id(leaf)], where)
@@ -290,6 +357,7 @@ class _CompiledStep:
             else:
                 kinds.append(_KEPT)
                 kept.append(leaf)
+                kept_shardings.append(sharding)
         if unhashable:
             raise TypeError(
                 f"{self._caller}: compile-time constants (arguments that are not arrays, and those "
@@ -300,10 +368,11 @@ class _CompiledStep:
         for path, leaf in path_leaves:
             donated_here = _names(path, self._donate_argnums, self._donate_argnames)
             if isinstance(leaf, jax.Array) and id(leaf) in donated_paths and not donated_here:
-                raise self._donated_twice(donated_paths[id(leaf)], _argument_name(path))
+                raise self._donated_twice(donated_paths[id(leaf)], format_argument_path(path))
         # Types are part of the key: 1, 1.0 and True are equal but must not share a compilation.
         typed_static = tuple((type(leaf), leaf) for leaf in static)
-        return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept
+        shardings = (donated_shardings, kept_shardings)
+        return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept, shardings
 
     def _check_donated_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         missing = [f"donate_argnums position {n}" for n in self._donate_argnums if n >= len(args)]
@@ -373,13 +442,6 @@ def _source_info(fn: StepFn) -> types.SimpleNamespace:
     """
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return types.SimpleNamespace(__name__=name, __qualname__=name, __code__=_code_of(fn))
-
-
-def _argument_name(path: tuple[Any, ...]) -> str:
-    group, rest = path[0], path[1:]
-    if group.idx == 0:
-        return format_path("args", rest)
-    return format_path("kwargs", rest)
 
 
 def _is_hashable(value: Any) -> bool:

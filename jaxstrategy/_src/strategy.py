@@ -62,15 +62,16 @@ class Strategy(abc.ABC):
     def __init__(self) -> None:
         name = type(self).__name__
         self._run_steps = StepCache(
-            sharding=self._run_sharding,
+            in_shardings=self._run_input_shardings,
+            out_shardings=self._run_output_sharding,
             program=self._replica_program,
             caller=f"{name}.run()",
-            adopt=self._adopt_foreign_arrays,
             wait_every=self._run_wait_every,
         )
         self._compiled_runs = self._run_steps.fast  # Saves an attribute lookup per run().
         self._init_steps = StepCache(
-            sharding=self.sharding,
+            in_shardings=self.sharding,
+            out_shardings=self.sharding,
             program=self._cross_replica_program,
             caller=f"{name}.init()",
             scalars_are_static=True,
@@ -93,8 +94,22 @@ class Strategy(abc.ABC):
         """Wrap `fn` into what `run` compiles: `fn` on every replica, in its replica context."""
 
     @property
-    def _run_sharding(self) -> jax.sharding.Sharding | None:
-        """Where `run` pins its inputs and outputs; None when `_replica_program` places them."""
+    def _run_input_shardings(self) -> jax.sharding.Sharding | Callable[[PyTree], PyTree]:
+        """Where `run` places its inputs: one sharding for all, or a function of `(args, kwargs)`
+        returning a sharding or a tree of them (see `StepCache`)."""
+        return self.sharding
+
+    def _shardings_for(
+        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
+    ) -> jax.sharding.Sharding | PyTree:
+        """Where `put` (and `run`, unless `_run_input_shardings` says otherwise) places the leaves
+        of `tree`: one sharding for all, or a tree of them shaped like `tree`. `caller` and
+        `describe` (a leaf's key path to its name) are for messages about bad leaves."""
+        return self.sharding
+
+    @property
+    def _run_output_sharding(self) -> jax.sharding.Sharding | None:
+        """Where `run` commits its outputs; None when `_replica_program` places them."""
         return self.sharding
 
     @property
@@ -105,11 +120,6 @@ class Strategy(abc.ABC):
     @property
     def _run_wait_every(self) -> int | None:
         """Wait for every this many `run` calls to finish (None: never); see MirroredStrategy."""
-        return None
-
-    def _adopt_foreign_arrays(self, tree: PyTree) -> PyTree | None:
-        """`tree` with arrays committed to other devices moved onto this strategy's, or None when
-        it has none; needed only when `_run_sharding` is None."""
         return None
 
     def _cross_replica_program(self, fn: StepFn) -> StepFn:
@@ -224,7 +234,8 @@ class Strategy(abc.ABC):
             `static_argnums` / `static_argnames` make arguments compile-time constants.
 
         Returns:
-          `fn`'s outputs, as jax arrays committed to the device.
+          `fn`'s outputs, as jax arrays committed to the device (on `MirroredStrategy`, outputs
+          that may differ between replicas come back as `PerReplica`).
 
         Raises:
           TypeError: `fn` is not callable; `kwargs` or `options` has the wrong type; an argument
@@ -255,10 +266,11 @@ class Strategy(abc.ABC):
                         if all(is_array_like(leaf) for leaf in jax.tree.leaves(args)):
                             raise
                     except ValueError:
-                        adopted = self._adopt_foreign_arrays((args, {}))
-                        if adopted is None:
+                        # Where input layouts vary, the inputs may not fit the one this was
+                        # compiled for (a PerReplica where there was none); the slow path finds
+                        # theirs. A ValueError from `fn` itself is raised again there.
+                        if not self._run_steps.layouts_vary:
                             raise
-                        args = adopted[0]
         return self._run_checked(fn, args, kwargs, options)
 
     def _run_checked(
@@ -297,7 +309,7 @@ class Strategy(abc.ABC):
             self,
             caller,
             in_run_hint="Use jaxstrategy.get_replica_context().all_reduce() inside run, or "
-            "get_replica_context().merge_call().",
+            "return the value from run and reduce it outside.",
         )
         return self._reduce(as_reduce_op(reduce_op, caller=caller), value, axis)
 
@@ -323,11 +335,12 @@ class Strategy(abc.ABC):
         placed ahead of the step. A one-shot source (a generator object) allows one pass; a second
         is an error.
 
-        Each batch is a global batch. On one replica it arrives whole, a partial last batch
-        included. On several (`MirroredStrategy`) it is split along its first axis with one sharded
-        `device_put` and arrives as a `PerReplica`, one slice per replica; a batch the replicas do
-        not divide is a `ValueError` when it is reached, unless `options.partial_batch` is
-        `"drop"` (skip it, with a warning) or `"pad"` (pad it and yield `(batch, mask)` pairs).
+        Each batch is a global batch. On `OneDeviceStrategy` it arrives whole, a partial last
+        batch included. On `MirroredStrategy` (on any number of devices) it is split along its
+        first axis with one sharded `device_put` and arrives as a `PerReplica`, one slice per
+        replica; a batch the replicas do not divide is a `ValueError` when it is reached, unless
+        `options.partial_batch` is `"drop"` (skip it, with a warning) or `"pad"` (pad it and
+        yield `(batch, mask)` pairs).
 
         Args:
           dataset: the source of batches.
@@ -435,6 +448,9 @@ class Strategy(abc.ABC):
     def put(self, tree: PyTree) -> PyTree:
         """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.
 
+        On `MirroredStrategy` a `PerReplica` leaf stays one component per replica, split over
+        them; every other leaf is replicated.
+
         Numpy leaves bound for a CPU device are copied, because JAX may otherwise share their
         memory and a later write to the numpy array would change the variable.
 
@@ -451,7 +467,7 @@ class Strategy(abc.ABC):
         """
         caller = f"{type(self).__name__}.put()"
         contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
-        return place_tree(tree, self.sharding, caller=caller)
+        return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
 
     def init(self, fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
         """Return `fn(*args, **kwargs)` compiled, its outputs created directly on `self.sharding`.

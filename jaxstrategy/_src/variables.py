@@ -12,7 +12,7 @@ from jaxstrategy._src.types import PyTree
 
 
 def place_tree(
-    tree: PyTree, sharding: jax.sharding.Sharding, *, caller: str, static_ok: bool = False
+    tree: PyTree, sharding: jax.sharding.Sharding | PyTree, *, caller: str, static_ok: bool = False
 ) -> PyTree:
     """Return `tree` with every array-like leaf committed to `sharding`, in one transfer.
 
@@ -21,7 +21,7 @@ def place_tree(
 
     Args:
       tree: a pytree of array-likes.
-      sharding: where to commit the arrays.
+      sharding: where to commit the arrays: one sharding, or a tree of them shaped like `tree`.
       caller: the call to name in messages.
       static_ok: leave non-array leaves as they are instead of raising.
 
@@ -40,6 +40,9 @@ def place_tree(
     leaves, treedef = jax.tree.flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if is_array_like(leaf)]
     arrays = [private_copy(leaves[i]) for i in positions]
+    if not isinstance(sharding, jax.sharding.Sharding):
+        leaf_shardings = jax.tree.leaves(sharding)
+        sharding = [leaf_shardings[i] for i in positions]
     for i, placed in zip(positions, put_private(arrays, sharding), strict=True):
         leaves[i] = placed
     return jax.tree.unflatten(treedef, leaves)
@@ -57,7 +60,7 @@ def private_copy(leaf: Any) -> Any:
     return leaf.copy() if isinstance(leaf, np.ndarray) else leaf
 
 
-def put_private(leaves: list[Any], sharding: jax.sharding.Sharding) -> list[Any]:
+def put_private(leaves: list[Any], sharding: jax.sharding.Sharding | list[Any]) -> list[Any]:
     """`jax.device_put` of leaves that went through `private_copy`.
 
     Nothing else can write them, so JAX may use their memory as it is (`may_alias=True`): on CPU
