@@ -193,6 +193,29 @@ def test_inputs_not_yet_on_the_mesh_do_not_trace_the_step_again(two):
     assert_tree_on_strategy(state, two)
 
 
+def test_a_compiled_step_never_runs_with_another_input_layout(two):
+    # jit alone would take a PerReplica where a whole array was pinned (a sharding pinned for a
+    # whole argument fits any subtree), copying every component to every device.
+    from jaxstrategy._src.step_cache import LayoutChanged, function_key
+
+    def step(x):
+        return x * 2
+
+    whole = np.ones(2, np.float32)
+    split = PerReplica(np.array([1.0, 2.0], np.float32))  # On the host: jit would place it anyhow.
+    two.run(step, args=(whole,))
+    compiled_for_whole = two._compiled_runs[function_key(step)]
+    with pytest.raises(LayoutChanged):
+        compiled_for_whole(split)
+    assert _local(two, two.run(step, args=(split,))) == [2.0, 4.0]  # run takes the slow path
+    assert two.run(step, args=(whole,)).tolist() == [2.0, 2.0]
+
+
+def test_run_inside_an_outer_jit(two):
+    outer = jax.jit(lambda x: two.run(lambda y: y + 1, args=(x,)))
+    assert outer(jnp.ones(2)).tolist() == [2.0, 2.0]
+
+
 def test_a_per_replica_with_the_wrong_number_of_components_is_an_error(two, four):
     from_four = _per_replica(four, [0.0, 1.0, 2.0, 3.0])
     message = r"has 2 replica\(s\), so a PerReplica must have one component per replica.*\n  {} has 4"
@@ -206,8 +229,9 @@ def test_a_per_replica_with_the_wrong_number_of_components_is_an_error(two, four
         two.gather(from_four, axis=0)
     with pytest.raises(ValueError, match=message.format(re.escape("tree[0]"))):
         two.put([from_four])
-    with pytest.raises(ValueError, match=r"args\[0\] holds a scalar, with no axis of components"):
-        two.run(lambda x: x, args=(PerReplica(jnp.float32(1.0)),))
+    for scalar in (jnp.float32(1.0), 1.0):
+        with pytest.raises(ValueError, match=r"args\[0\] holds a scalar, with no axis of components"):
+            two.run(lambda x: x, args=(PerReplica(scalar),))
 
 
 def test_a_per_replica_that_the_replicas_divide_is_still_checked_once_compiled(two):
@@ -526,6 +550,7 @@ def test_host_batches_stay_numpy_per_replica(two):
     options = InputOptions(experimental_fetch_to_device=False)
     (batch,) = list(two.experimental_distribute_dataset([np.arange(4)], options))
     assert isinstance(batch.stacked, np.ndarray)
+    assert all(isinstance(part, np.ndarray) for part in two.experimental_local_results(batch))
     assert _local(two, batch) == [[0, 1], [2, 3]]
     assert _local(two, two.run(lambda x: x * 2, args=(batch,))) == [[0, 2], [4, 6]]
 

@@ -410,7 +410,10 @@ class DistributedIterator:
             try:
                 self._batches.record(self._peek_batch())
             except StopIteration:
-                raise ValueError("This distributed dataset is empty, so it has no element_spec.") from None
+                raise ValueError(
+                    "This distributed dataset is empty (or InputOptions(partial_batch='drop') dropped "
+                    "every batch), so it has no element_spec."
+                ) from None
         return self._batches.element_spec
 
     def close(self) -> None:

@@ -295,15 +295,12 @@ class MirroredStrategy(Strategy):
     ) -> jax.sharding.Sharding | PyTree:
         """Where the leaves of `tree` go: a `PerReplica` split over the replicas, the rest
         replicated. One sharding when `tree` holds no `PerReplica`, else a tree of them."""
-        describe = describe or _describe_tree_path
-        check_replica_count(tree, len(self._devices), caller=caller, describe=describe)
-        if not any(isinstance(leaf, PerReplica) for leaf in jax.tree.leaves(tree, is_leaf=is_per_replica)):
+        check_replica_count(tree, len(self._devices), caller=caller, describe=describe or _describe_tree_path)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=is_per_replica)
+        stacked = [isinstance(leaf, PerReplica) for leaf in leaves]
+        if not any(stacked):
             return self._sharding
-        return jax.tree.map(
-            lambda leaf: self._stacked_sharding if isinstance(leaf, PerReplica) else self._sharding,
-            tree,
-            is_leaf=is_per_replica,
-        )
+        return jax.tree.unflatten(treedef, [self._stacked_sharding if s else self._sharding for s in stacked])
 
     def _run_inputs_layout(self, args_and_kwargs: PyTree) -> jax.sharding.Sharding | PyTree:
         caller = "MirroredStrategy.run()"
@@ -345,7 +342,10 @@ class MirroredStrategy(Strategy):
 
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
         if isinstance(leaf, PerReplica):
-            return components(jax.device_put(leaf.stacked, self._stacked_sharding))
+            stacked = leaf.stacked
+            if isinstance(stacked, jax.Array):  # Host batches stay on the host.
+                stacked = jax.device_put(stacked, self._stacked_sharding)
+            return components(stacked)
         count = len(self._devices)
         if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
             by_device = {shard.device: shard.data for shard in leaf.addressable_shards}

@@ -33,8 +33,9 @@ class PerReplica:
 
     Attributes:
       stacked: the components stacked along axis 0; `stacked[i]` is replica `i`'s.
-      values: the components, as a tuple in replica order (TensorFlow's attribute); each is on
-        its replica's device.
+      values: the components, as a tuple in replica order (TensorFlow's attribute). When
+        `stacked` is split one component per device, as `run` and datasets make it, each is on
+        its replica's device; otherwise each is a slice of `stacked`, wherever that is.
 
     Example:
       >>> import jax.numpy as jnp, jaxstrategy
@@ -119,14 +120,21 @@ def check_replica_count(tree: Any, count: int, *, caller: str, describe: Callabl
 
     `describe` turns a leaf's key path into its name in the message, such as `value['loss']`.
     """
-    wrong = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0]:
-        if isinstance(leaf, PerReplica):
-            shape = np.shape(leaf.stacked) if isinstance(leaf.stacked, np.ndarray) else leaf.stacked.shape
-            if not shape:
-                wrong.append(f"{describe(path)} holds a scalar, with no axis of components")
-            elif shape[0] != count:
-                wrong.append(f"{describe(path)} has {shape[0]} component(s)")
+
+    def problem(leaf: Any) -> str | None:
+        shape = np.shape(leaf.stacked)
+        if not shape:
+            return "holds a scalar, with no axis of components"
+        return None if shape[0] == count else f"has {shape[0]} component(s)"
+
+    leaves = jax.tree.leaves(tree, is_leaf=is_per_replica)
+    if all(problem(leaf) is None for leaf in leaves if isinstance(leaf, PerReplica)):
+        return
+    wrong = [
+        f"{describe(path)} {problem(leaf)}"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0]
+        if isinstance(leaf, PerReplica) and problem(leaf) is not None
+    ]
     if wrong:
         raise ValueError(
             f"{caller}: this strategy has {count} replica(s), so a PerReplica must have one "

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxstrategy._src.errors import bullet_list, format_argument_path, format_path
-from jaxstrategy._src.per_replica import PerReplica, check_replica_count, is_per_replica
+from jaxstrategy._src.errors import bullet_list, format_path
+from jaxstrategy._src.per_replica import PerReplica, is_per_replica
 from jaxstrategy._src.types import PyTree
 
 # The mesh axis that holds the replicas, named in collectives inside `run`.
@@ -58,10 +58,6 @@ def per_replica_program(
     stacked_spec, whole_spec = PartitionSpec(axis_name), PartitionSpec()
 
     def program(*args: Any, **kwargs: Any) -> PyTree:
-        # jit takes a PerReplica of the wrong length if the replicas divide it; each would get a
-        # block of components and silently use the first.
-        replicas = mesh.shape[axis_name]
-        check_replica_count((args, kwargs), replicas, caller=caller, describe=format_argument_path)
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
         kinds = [_kind(leaf) for leaf in leaves]
         traced = [

@@ -10,15 +10,16 @@ because jit cannot pin `in_shardings` for keyword arguments.
 
 Where the inputs go may depend on the arguments (on several replicas a `PerReplica` is split over
 them and the rest replicated): the cache then asks `in_shardings(args_and_kwargs)` on the slow
-path and keeps one jit per answer; the fast path calls the jit of the last answer, and a call
-that does not fit it (jit raises ValueError) takes the slow path.
+path and keeps one jit per answer. The fast path calls the jit of the last answer; each such jit
+checks, when it traces, that the arguments still have its layout, and raises `LayoutChanged` (a
+ValueError) when not, so that `run` takes the slow path. jit alone would not always notice: a
+sharding pinned for a whole argument fits a `PerReplica` there too.
 
 On one device, pinning alone traces a function once for placed and unplaced inputs alike. Over a
 mesh it does not: JAX's trace cache keys on an input's mesh, so an array not yet on the mesh
 (made with `jnp.zeros`, say) and the same array coming back from a step trace the step twice. So
-there the slow path, which every function's first call takes, first moves JAX arrays that are not
-where their layout puts them. numpy arrays and Python scalars carry no mesh on any call, so they
-are left to jit.
+there the call that makes a jit first moves JAX arrays that are not where their layout puts them.
+numpy arrays and Python scalars are left to jit.
 
 Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
 rejects them before tracing, so the first such call takes the slow path: the arguments are
@@ -107,6 +108,7 @@ class StepCache:
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._settle_arrays = not isinstance(in_shardings, jax.sharding.SingleDeviceSharding)
+        self._layout_of = None if isinstance(in_shardings, jax.sharding.Sharding) else in_shardings
         self._program = program
         self._caller = caller
         self._scalars_are_static = scalars_are_static
@@ -125,14 +127,16 @@ class StepCache:
         if entry is None:
             entry = self._add(key, fn, options, count_towards_warning=not configured)
         layout = self._layout((args, kwargs))
-        if self._settle_arrays:
-            args, kwargs = layout.settle((args, kwargs))
         if entry.slow_path:
+            if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
+                args, kwargs = layout.settle((args, kwargs))
             return self._waited(entry.call_partitioned(layout, args, kwargs))
         if kwargs:
-            compiled = entry.jitted("packed", layout.inputs, layout.outputs)
+            compiled, new = entry.jitted("packed", layout.inputs, layout)
         else:
-            compiled = entry.jitted("positional", layout.for_positional(), layout.outputs)
+            compiled, new = entry.jitted("positional", layout.for_positional(), layout)
+        if new and self._settle_arrays:
+            args, kwargs = layout.settle((args, kwargs))
         try:
             result = compiled(args, kwargs) if kwargs else compiled(*args)
         except TypeError:
@@ -181,7 +185,9 @@ class StepCache:
             self._evict(next(iter(self._entries)))
         if count_towards_warning:
             self._warn_on_repeated_code(fn)
-        entry = _CompiledStep(fn, self._program, self._caller, options, self._scalars_are_static)
+        entry = _CompiledStep(
+            fn, self._program, self._caller, options, self._scalars_are_static, self._layout_of
+        )
         # When the function (or the method's object) is collected, its entry goes too; the id in
         # the key cannot be reused before then.
         owner = fn.__self__ if type(fn) is types.MethodType else fn
@@ -218,6 +224,11 @@ class StepCache:
             )
 
 
+class LayoutChanged(ValueError):
+    """Raised while tracing a step compiled for another input layout; `run` then takes the slow
+    path, which compiles one for this layout."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where one call's inputs go (a sharding, or a tree of them shaped like `(args, kwargs)`) and
@@ -240,11 +251,14 @@ class _Layout:
         """`args_and_kwargs` with each JAX array that is not where this layout puts it moved there."""
         leaves, treedef = jax.tree.flatten(args_and_kwargs)
         shardings = self.for_leaves(len(leaves))
-        settled = [
-            jax.device_put(leaf, where) if isinstance(leaf, jax.Array) and leaf.sharding != where else leaf
-            for leaf, where in zip(leaves, shardings, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, settled)
+        pairs = zip(leaves, shardings, strict=True)
+        moving = [i for i, (leaf, where) in enumerate(pairs) if _misplaced(leaf, where)]
+        if not moving:
+            return args_and_kwargs
+        moved = jax.device_put([leaves[i] for i in moving], [shardings[i] for i in moving])
+        for i, leaf in zip(moving, moved, strict=True):
+            leaves[i] = leaf
+        return jax.tree.unflatten(treedef, leaves)
 
     def for_partitioned(self, donated: list[Any], kept: list[Any]) -> Any:
         """`in_shardings` for a call with the donated and the kept leaves, given their shardings."""
@@ -262,6 +276,7 @@ class _CompiledStep:
         caller: str,
         options: RunOptions | None,
         scalars_are_static: bool,
+        layout_of: Callable[[PyTree], PyTree] | None,
     ):
         self.finalizer: weakref.finalize[Any, Any] | None = None
         self.strong_reference: Any = None
@@ -298,30 +313,33 @@ class _CompiledStep:
             "packed": call_packed,
             "partitioned": call_with_static,
         }
+        self._layout_of = layout_of
         self._jitted: dict[Hashable, Callable[..., PyTree]] = {}
 
-    def jitted(
-        self, kind: str, in_shardings: Any, out_shardings: jax.sharding.Sharding | None
-    ) -> Callable[..., PyTree]:
+    def jitted(self, kind: str, in_shardings: Any, layout: _Layout) -> tuple[Callable[..., PyTree], bool]:
         """The jit of the `kind` wrapper ("positional", "packed" or "partitioned") with these
-        shardings, made on first use."""
-        leaves, treedef = jax.tree.flatten(in_shardings)
-        key = (kind, treedef, tuple(leaves), out_shardings)
+        input shardings, for calls with `layout`, and whether it was made just now."""
+        key = (kind, _flat(in_shardings), layout.outputs)
         jitted = self._jitted.get(key)
-        if jitted is None:
-            pinned: dict[str, Any] = {"in_shardings": in_shardings}
-            if out_shardings is not None:
-                pinned["out_shardings"] = out_shardings
-            if kind == "partitioned":
-                donate = self._donate_argnums or self._donate_argnames
-                pinned.update(static_argnums=0, donate_argnums=1 if donate else ())
-            jitted = self._jitted[key] = jax.jit(self._wrappers[kind], **pinned)
-        return jitted
+        if jitted is not None:
+            return jitted, False
+        wrapper = self._wrappers[kind]
+        pinned: dict[str, Any] = {"in_shardings": in_shardings}
+        if layout.outputs is not None:
+            pinned["out_shardings"] = layout.outputs
+        if kind == "partitioned":
+            donate = self._donate_argnums or self._donate_argnames
+            pinned.update(static_argnums=0, donate_argnums=1 if donate else ())
+        elif self._layout_of is not None:  # Fast-path jits check their layout when they trace.
+            wrapper = _checking_layout(wrapper, self._layout_of, layout, packed=kind == "packed")
+        jitted = self._jitted[key] = jax.jit(wrapper, **pinned)
+        return jitted, True
 
     def call_partitioned(self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
         spec, donated, kept, (donated_shardings, kept_shardings) = self._partition(layout, args, kwargs)
         in_shardings = layout.for_partitioned(donated_shardings, kept_shardings)
-        return self.jitted("partitioned", in_shardings, layout.outputs)(spec, donated, kept)
+        jitted, _ = self.jitted("partitioned", in_shardings, layout)
+        return jitted(spec, donated, kept)
 
     def _partition(
         self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -405,6 +423,34 @@ class _StaticSpec:
         static = (leaf for _, leaf in self.static)
         sources = {_STATIC: static, _KEPT: iter(kept), _DONATED: iter(donated)}
         return jax.tree.unflatten(self.treedef, [next(sources[kind]) for kind in self.kinds])
+
+
+def _misplaced(leaf: Any, where: jax.sharding.Sharding) -> bool:
+    # A tracer (run inside an outer jit) has no placement of its own.
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.sharding != where
+
+
+def _flat(tree: PyTree) -> Hashable:
+    """A hashable form of a tree of shardings."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple(leaves))
+
+
+def _checking_layout(
+    wrapper: Callable[..., PyTree], layout_of: Callable[[PyTree], PyTree], layout: _Layout, *, packed: bool
+) -> Callable[..., PyTree]:
+    """`wrapper`, raising `LayoutChanged` when traced with arguments whose layout is not `layout`."""
+    expected = _flat(layout.inputs)
+
+    def checked(*args: Any) -> PyTree:
+        args_and_kwargs = (args[0], args[1]) if packed else (args, {})
+        if _flat(layout_of(args_and_kwargs)) != expected:
+            raise LayoutChanged("The inputs' layout changed since this step was compiled.")
+        return wrapper(*args)
+
+    checked.__name__ = checked.__qualname__ = wrapper.__name__
+    checked.__wrapped__ = wrapper.__wrapped__  # type: ignore[attr-defined]
+    return checked
 
 
 def _jit_options(options: RunOptions | None) -> tuple[tuple[Any, ...], ...]:
