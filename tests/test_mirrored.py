@@ -290,10 +290,25 @@ def test_all_gather_concatenates_in_replica_order(two):
         return jaxstrategy.get_replica_context().all_gather(x, axis=0)
 
     gathered = two.run(step, args=(_per_replica(two, [np.zeros((1, 2, 3)), np.ones((1, 2, 3))]),))
-    (first, second) = two.experimental_local_results(gathered)
-    assert first.shape == (2, 2, 3)
-    assert np.asarray(first)[:, 0, 0].tolist() == [0.0, 1.0]
-    assert np.array_equal(first, second)
+    # The same on every replica, so one replicated array, as an all_reduce result is.
+    assert not isinstance(gathered, PerReplica) and gathered.sharding == two.sharding
+    assert gathered.shape == (2, 2, 3)
+    assert np.asarray(gathered)[:, 0, 0].tolist() == [0.0, 1.0]
+    # Of a value every replica sees whole: its copies.
+    whole = two.run(
+        lambda x: jaxstrategy.get_replica_context().all_gather(x, axis=0), args=(jnp.arange(2.0),)
+    )
+    assert whole.tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_gradients_through_all_gather_match_one_device(two):
+    # d/dx of sum(all_gather(x)**2) is 2x for each replica's own block.
+    def step(x):
+        context = jaxstrategy.get_replica_context()
+        return jax.grad(lambda x: jnp.sum(context.all_gather(x, axis=0) ** 2))(x)
+
+    grads = two.run(step, args=(_per_replica(two, [np.float32([1.0, 2.0]), np.float32([3.0, 4.0])]),))
+    assert _local(two, grads) == [[2.0, 4.0], [6.0, 8.0]]
 
 
 def test_outputs_are_per_replica_only_where_they_can_differ(four):

@@ -239,6 +239,8 @@ class ReplicaContext:
     def all_gather(self, value: PyTree, axis: int, options: Any = None) -> PyTree:
         """Concatenate `value` from every replica along `axis`, in replica order.
 
+        The result is the same on every replica, and `run` returns it as a replicated array.
+
         Args:
           value: a pytree of arrays of rank 1 or more.
           axis: the axis to concatenate along, in [-rank, rank).
@@ -255,7 +257,9 @@ class ReplicaContext:
         for leaf, (leaf_axis,) in zip(leaves, axes, strict=True):
             leaf = jnp.asarray(leaf)
             if self._axis_name is not None:
-                leaf = jax.lax.all_gather(leaf, self._axis_name, axis=leaf_axis, tiled=True)
+                # "invarying": JAX then knows every replica holds the same result, so run returns
+                # it as one replicated array rather than a PerReplica of equal copies.
+                leaf = jax.lax.all_gather(leaf, self._axis_name, axis=leaf_axis, tiled=True, to="invarying")
             gathered.append(leaf)
         return jax.tree.unflatten(treedef, gathered)
 
