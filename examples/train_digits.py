@@ -1,6 +1,7 @@
 """Train a digit classifier through jaxstrategy: the demo that `make demo` runs.
 
-A flax nnx MLP learns scikit-learn's bundled 8x8 digits (1,797 images; no download) on one device.
+A flax nnx MLP learns scikit-learn's bundled 8x8 digits (1,797 images; no download) on one device,
+or with `--replicas N` on N devices through MirroredStrategy: only the constructor changes.
 Batches come through `strategy.experimental_distribute_dataset`, which prefetches them onto the
 device from a background thread; each training step is a function of arrays compiled once by
 `strategy.run`; a `checkpoint.Checkpointer` saves the model and optimizer state every epoch in the
@@ -10,8 +11,7 @@ and the loss curve is written as a PNG.
     make demo                                   # CPU, 10 epochs, well under a minute
     python examples/train_digits.py --help      # every flag
     python examples/train_digits.py --device /gpu:0 --epochs 20
-
-The same script runs on several devices once MirroredStrategy exists: only the constructor changes.
+    python examples/train_digits.py --replicas 4    # 4 GPUs, or 4 CPU devices on a laptop
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 import jaxstrategy
 from jaxstrategy import checkpoint
+from jaxstrategy.testing import force_cpu_devices
 
 matplotlib.use("Agg")  # Write files; never open a window.
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -58,21 +59,28 @@ class MLP(nnx.Module):
 
 
 class ShuffledBatches:
-    """A re-iterable source of (images, labels) batches: each pass is a new shuffle, as an epoch is."""
+    """A re-iterable source of (images, labels) batches: each pass is a new shuffle, as an epoch is.
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int):
+    The last batch of a pass is cut to a multiple of `multiple_of` (the number of replicas, which
+    split every batch evenly); the examples cut off are different ones each pass.
+    """
+
+    def __init__(
+        self, images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int, *, multiple_of: int = 1
+    ):
         self._images, self._labels = images, labels
         self._batch_size = batch_size
+        self._examples = len(labels) - len(labels) % batch_size % multiple_of
         self._rng = np.random.default_rng(seed)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        order = self._rng.permutation(len(self._labels))
+        order = self._rng.permutation(len(self._labels))[: self._examples]
         for start in range(0, len(order), self._batch_size):
             index = order[start : start + self._batch_size]
             yield self._images[index], self._labels[index]
 
     def __len__(self) -> int:
-        return -(-len(self._labels) // self._batch_size)
+        return -(-self._examples // self._batch_size)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -80,8 +88,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Train an MLP on scikit-learn's digits with jaxstrategy and report test accuracy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument(
         "--device", default="/cpu:0", help="the device to train on: /cpu:0, /gpu:0, cuda:1, ..."
+    )
+    placement.add_argument(
+        "--replicas",
+        type=int,
+        help="train on this many devices with MirroredStrategy (on a machine without "
+        "accelerators, as many CPU devices)",
     )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per training step")
@@ -92,9 +107,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--output-dir", type=Path, default=Path("demo_output"), help="where the checkpoints and loss curve go"
     )
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "hidden"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "hidden", "replicas"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.replicas is not None and args.batch_size % args.replicas:
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of --replicas {args.replicas}")
     return args
 
 
@@ -115,6 +132,8 @@ def make_steps(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) 
 
     def train_step(state: nnx.State, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
         loss, grads = jax.value_and_grad(loss_fn)(state, *batch)
+        # The mean over the replicas, so that all apply the same update (on one device, a no-op).
+        grads, loss = jaxstrategy.get_replica_context().all_reduce("mean", (grads, loss))
         updates, opt_state = optimizer.update(grads, opt_state, state)
         return optax.apply_updates(state, updates), opt_state, loss
 
@@ -125,8 +144,17 @@ def make_steps(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) 
     return train_step, accuracy
 
 
+def make_strategy(args: argparse.Namespace) -> jaxstrategy.OneDeviceStrategy | jaxstrategy.MirroredStrategy:
+    if args.replicas is None:
+        return jaxstrategy.OneDeviceStrategy(args.device)
+    devices = jax.local_devices()
+    if len(devices) < args.replicas:
+        raise SystemExit(f"error: --replicas {args.replicas}, but this machine has {len(devices)} devices")
+    return jaxstrategy.MirroredStrategy(devices[: args.replicas])
+
+
 def train(args: argparse.Namespace) -> float:
-    strategy = jaxstrategy.OneDeviceStrategy(args.device)
+    strategy = make_strategy(args)
     train_images, test_images, train_labels, test_labels = load_data(args.seed)
     print(f"{strategy!r}: {len(train_labels)} training and {len(test_labels)} test images")
 
@@ -135,7 +163,9 @@ def train(args: argparse.Namespace) -> float:
     state = strategy.put(state)  # The parameters, committed to the device.
     opt_state = strategy.init(optimizer.init, state)  # Adam's moments, created there directly.
     train_step, accuracy = make_steps(graphdef, optimizer)
-    batches = ShuffledBatches(train_images, train_labels, args.batch_size, args.seed)
+    batches = ShuffledBatches(
+        train_images, train_labels, args.batch_size, args.seed, multiple_of=strategy.num_replicas_in_sync
+    )
     dataset = strategy.experimental_distribute_dataset(batches)
     test_set = strategy.put((test_images, test_labels))
 
@@ -159,7 +189,8 @@ def train(args: argparse.Namespace) -> float:
             for batch in progress:
                 state, opt_state, loss = strategy.run(train_step, args=(state, opt_state, batch))
                 losses.append(float(loss))  # Reading the loss each step, as a progress bar does.
-                examples += batch[1].shape[0]
+                # One part per replica (the whole batch on one device).
+                examples += sum(len(part) for part in strategy.experimental_local_results(batch[1]))
                 rate = examples / (time.perf_counter() - started)
                 progress.set_postfix(loss=f"{losses[-1]:.4f}", examples_per_s=f"{rate:.0f}", refresh=False)
             test_accuracy = float(strategy.run(accuracy, args=(state, *test_set)))
@@ -193,6 +224,10 @@ def write_loss_curve(losses: list[float], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replicas is not None:
+        # Before JAX starts: without accelerators, the CPU presents this many devices. With them,
+        # it changes nothing, since MirroredStrategy takes the default (accelerator) devices.
+        force_cpu_devices(args.replicas)
     try:
         test_accuracy = train(args)
     except jaxstrategy.InvalidDeviceError as error:
