@@ -464,6 +464,15 @@ def test_local_results_of_each_kind_of_leaf(two):
 def test_values_from_function_keeps_python_values_per_replica(two):
     value = two.experimental_distribute_values_from_function(lambda context: context.replica_id_in_sync_group)
     assert isinstance(value, PerReplica) and _local(two, value) == [0, 1]
+    # Weakly typed, as on one device: a Python float takes on the dtype of the array it meets.
+    scale = two.experimental_distribute_values_from_function(
+        lambda context: 0.5 * (context.replica_id_in_sync_group + 1)
+    )
+    assert scale.stacked.weak_type and scale.stacked.sharding == two._batch_layout.sharding
+    scaled = two.run(lambda s: s * jnp.ones(2, jnp.bfloat16), args=(scale,))
+    assert scaled.stacked.dtype == jnp.bfloat16 and _local(two, scaled) == [[0.5, 0.5], [1.0, 1.0]]
+    one = OneDeviceStrategy().experimental_distribute_values_from_function(lambda context: 0.5)
+    assert one.weak_type
     named = two.experimental_distribute_values_from_function(lambda context: {"name": "x", "v": 1.0})
     assert named["name"] == "x" and isinstance(named["v"], PerReplica)
 

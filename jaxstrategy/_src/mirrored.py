@@ -37,7 +37,7 @@ from jaxstrategy._src.per_replica import PerReplica, check_replica_count, compon
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
 from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.tree_checks import is_array_like, require_array_leaves
+from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like, require_array_leaves
 from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.variables import private_copy
 
@@ -104,6 +104,7 @@ class MirroredStrategy(Strategy):
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
         self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
         self._combine = jax.jit(_combine, static_argnums=(0, 1, 2), out_shardings=self._sharding)
+        self._stack_python_scalars = jax.jit(_stack, out_shardings=self._stacked_sharding)
         super().__init__()
 
     @property
@@ -353,6 +354,12 @@ class MirroredStrategy(Strategy):
         return (leaf,) * count
 
     def _stack_components(self, replica_values: list[Any], where: str, caller: str) -> Any:
+        if all(type(v) is type(replica_values[0]) for v in replica_values) and isinstance(
+            replica_values[0], PYTHON_SCALARS
+        ):
+            # Stacked by jit, which keeps them weakly typed, as one device does (a float then
+            # takes on the dtype of the array it meets, as a Python float would).
+            return PerReplica(self._stack_python_scalars(*replica_values))
         if not all(is_array_like(v) for v in replica_values):
             if all(v == replica_values[0] for v in replica_values[1:]):
                 return replica_values[0]
@@ -410,6 +417,10 @@ def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, 
 def _component_view(leaf: PerReplica) -> np.ndarray:
     """An array with a component's shape, without memory: what the axis checks need."""
     return np.broadcast_to(np.uint8(0), tuple(leaf.stacked.shape[1:]))
+
+
+def _stack(*values: Any) -> jax.Array:
+    return jnp.stack(values)
 
 
 def _combine(
