@@ -88,8 +88,9 @@ class StepCache:
     Attributes:
       fast: maps `function_key(fn)` to the compiled wrapper of each function whose last call had
         only array-like positional arguments and no options, to be called as `fast[key](*args)`;
-        a `TypeError` from that call means some argument was not an array, and the call belongs
-        to `__call__`.
+        a `TypeError` from that call means some argument was not an array, and (where
+        `layouts_vary`) a `ValueError` that the arguments may not fit its layout; either way the
+        call belongs to `__call__`.
     """
 
     def __init__(
