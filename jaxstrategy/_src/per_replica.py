@@ -135,14 +135,13 @@ def check_replica_count(tree: Any, count: int, *, caller: str, describe: Callabl
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0]
         if isinstance(leaf, PerReplica) and problem(leaf) is not None
     ]
-    if wrong:
-        raise ValueError(
-            f"{caller}: this strategy has {count} replica(s), so a PerReplica must have one "
-            f"component per replica, but:{bullet_list(wrong)}\nA PerReplica belongs to the strategy "
-            "that made it (its run, datasets or experimental_distribute_values_from_function). "
-            "Take its components with that strategy's experimental_local_results and build the "
-            "value for this one, for example with experimental_distribute_values_from_function."
-        )
+    raise ValueError(
+        f"{caller}: this strategy has {count} replica(s), so a PerReplica must have one "
+        f"component per replica, but:{bullet_list(wrong)}\nA PerReplica belongs to the strategy "
+        "that made it (its run, datasets or experimental_distribute_values_from_function). "
+        "Take its components with that strategy's experimental_local_results and build the "
+        "value for this one, for example with experimental_distribute_values_from_function."
+    )
 
 
 def _is_concrete(x: Any) -> bool:

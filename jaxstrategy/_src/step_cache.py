@@ -109,6 +109,7 @@ class StepCache:
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._settle_arrays = not isinstance(in_shardings, jax.sharding.SingleDeviceSharding)
+        # Set where the layout depends on the arguments.
         self._layout_of = None if isinstance(in_shardings, jax.sharding.Sharding) else in_shardings
         self._program = program
         self._caller = caller
@@ -155,12 +156,12 @@ class StepCache:
     @property
     def layouts_vary(self) -> bool:
         """Whether where inputs go depends on the arguments (`in_shardings` is a function)."""
-        return not isinstance(self._in_shardings, jax.sharding.Sharding)
+        return self._layout_of is not None
 
     def _layout(self, args_and_kwargs: PyTree) -> _Layout:
-        if isinstance(self._in_shardings, jax.sharding.Sharding):
+        if self._layout_of is None:
             return _Layout(self._in_shardings, self._out_shardings)
-        return _Layout(self._in_shardings(args_and_kwargs), self._out_shardings)
+        return _Layout(self._layout_of(args_and_kwargs), self._out_shardings)
 
     def _waited(self, outputs: PyTree) -> PyTree:
         """`outputs`, after waiting for them if this is the `wait_every`-th call since the last wait."""
