@@ -35,6 +35,7 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python bench/input_pipeline.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/mirrored.py
+	$(BIN)/python bench/multi_worker.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output

@@ -5,6 +5,9 @@ are pytrees committed to them. Code written against `OneDeviceStrategy` is meant
 when the constructor changes to a strategy over more devices.
 """
 
+from jaxstrategy._src.cluster_resolver import ClusterResolver as ClusterResolver
+from jaxstrategy._src.cluster_resolver import SimpleClusterResolver as SimpleClusterResolver
+from jaxstrategy._src.cluster_resolver import TFConfigClusterResolver as TFConfigClusterResolver
 from jaxstrategy._src.contexts import InputContext as InputContext
 from jaxstrategy._src.contexts import ReplicaContext as ReplicaContext
 from jaxstrategy._src.contexts import ValueContext as ValueContext
@@ -20,6 +23,7 @@ from jaxstrategy._src.input_lib import DistributedIterator as DistributedIterato
 from jaxstrategy._src.input_lib import OptionalBatch as OptionalBatch
 from jaxstrategy._src.input_lib import OutOfRangeError as OutOfRangeError
 from jaxstrategy._src.mirrored import MirroredStrategy as MirroredStrategy
+from jaxstrategy._src.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jaxstrategy._src.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.options import InputOptions as InputOptions
 from jaxstrategy._src.options import InputReplicationMode as InputReplicationMode
@@ -43,6 +47,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = (
+    "ClusterResolver",
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
@@ -51,6 +56,7 @@ __all__ = (
     "InvalidDeviceError",
     "JaxStrategyError",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
@@ -58,8 +64,10 @@ __all__ = (
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
+    "SimpleClusterResolver",
     "Strategy",
     "StrategyContextError",
+    "TFConfigClusterResolver",
     "ValueContext",
     "get_replica_context",
     "get_strategy",

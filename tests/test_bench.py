@@ -2,7 +2,8 @@
 
 Each benchmark checks what it can check without timing: run_overhead fails on any recompile,
 checkpoint verifies every round trip, input_pipeline counts compiles while timed, mirrored
-forces two CPU devices and fails on any retrace.
+forces two CPU devices and fails on any retrace, multi_worker starts jobs of one and of two
+processes and fails on any retrace.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py"])
+@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py"])
 def test_benchmark_smoke_run(script):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / script), "--quick"],

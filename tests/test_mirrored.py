@@ -92,6 +92,8 @@ def test_two_device_attributes_match_tensorflow(two):
         "/job:localhost/replica:0/task:0/device:CPU:1",
     )
     assert two.cluster_resolver is None
+    assert (two.extended.should_checkpoint, two.extended.should_save_summary) == (True, True)
+    assert two.extended.experimental_between_graph is False
 
 
 def test_repr_equality_and_hash(cpu_devices):

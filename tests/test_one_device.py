@@ -47,6 +47,10 @@ def test_attributes():
     assert strategy.mesh.devices.tolist() == [strategy.device]
     assert strategy.extended.experimental_should_init is True
     assert strategy.extended.experimental_require_static_shapes is False
+    # One process: it is the chief, and one program drives its device.
+    assert (strategy.extended.should_checkpoint, strategy.extended.should_save_summary) == (True, True)
+    assert strategy.extended.experimental_between_graph is False
+    assert strategy.cluster_resolver is None
 
 
 def test_repr_reads_like_the_constructor_call():

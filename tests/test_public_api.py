@@ -7,6 +7,7 @@ import inspect
 import jaxstrategy
 
 PUBLIC_NAMES = (
+    "ClusterResolver",
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
@@ -15,6 +16,7 @@ PUBLIC_NAMES = (
     "InvalidDeviceError",
     "JaxStrategyError",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
@@ -22,8 +24,10 @@ PUBLIC_NAMES = (
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
+    "SimpleClusterResolver",
     "Strategy",
     "StrategyContextError",
+    "TFConfigClusterResolver",
     "ValueContext",
     "get_replica_context",
     "get_strategy",
@@ -75,7 +79,7 @@ def test_checkpoint_module_is_pinned():
 def test_testing_module_is_pinned():
     from jaxstrategy import testing
 
-    assert testing.__all__ == ("assert_tree_on_strategy", "force_cpu_devices")
+    assert testing.__all__ == ("assert_tree_on_strategy", "force_cpu_devices", "run_local_workers")
     assert all(">>>" in getattr(testing, name).__doc__ for name in testing.__all__)
     assert jaxstrategy.testing is testing
 
@@ -102,6 +106,10 @@ def test_strategy_surface_is_pinned():
     mirrored = tuple(sorted(name for name in dir(jaxstrategy.MirroredStrategy) if not name.startswith("_")))
     # The same surface but `device`: several devices have no single one (nor in TensorFlow).
     assert mirrored == tuple(name for name in STRATEGY_METHODS if name != "device")
+    multi_worker = jaxstrategy.MultiWorkerMirroredStrategy
+    assert tuple(sorted(name for name in dir(multi_worker) if not name.startswith("_"))) == mirrored
+    for resolver in (jaxstrategy.SimpleClusterResolver, jaxstrategy.TFConfigClusterResolver):
+        assert issubclass(resolver, jaxstrategy.ClusterResolver)
     assert [name for name in dir(jaxstrategy.PerReplica) if not name.startswith("_")] == ["stacked", "values"]
 
 
@@ -127,6 +135,12 @@ def test_tensorflow_signatures_are_kept():
     assert parameters(strategy.gather) == [("self", empty), ("value", empty), ("axis", empty)]
     assert parameters(strategy) == [("device", None), ("soft_placement", False)]
     assert parameters(jaxstrategy.MirroredStrategy) == [("devices", None), ("cross_device_ops", None)]
+    # TensorFlow's one argument, then JAX's start-up timeouts (keyword-only).
+    assert parameters(jaxstrategy.MultiWorkerMirroredStrategy) == [
+        ("cluster_resolver", None),
+        ("initialization_timeout", 300),
+        ("heartbeat_timeout_seconds", 100),
+    ]
 
 
 def test_every_public_name_has_a_docstring_with_an_example():
@@ -138,9 +152,13 @@ def test_every_public_name_has_a_docstring_with_an_example():
         if name == "Strategy":
             continue  # Abstract; documented through OneDeviceStrategy.
         assert obj.__doc__ and ">>>" in obj.__doc__, f"{name} has no doctest example"
-    for cls in (jaxstrategy.OneDeviceStrategy, jaxstrategy.MirroredStrategy):
+    for cls in (
+        jaxstrategy.OneDeviceStrategy,
+        jaxstrategy.MirroredStrategy,
+        jaxstrategy.MultiWorkerMirroredStrategy,
+    ):
         for method in STRATEGY_METHODS:
-            if method == "device" and cls is jaxstrategy.MirroredStrategy:
+            if method == "device" and cls is not jaxstrategy.OneDeviceStrategy:
                 continue
             member = inspect.getattr_static(cls, method)
             assert getattr(member, "__doc__", None), f"{cls.__name__}.{method} has no docstring"

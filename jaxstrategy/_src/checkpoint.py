@@ -321,11 +321,16 @@ def _split_prng_keys(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
 
 def _savable(leaf: Any) -> Any:
     if _is_prng_key(leaf):
-        return jax.random.key_data(leaf)
-    if isinstance(leaf, PYTHON_SCALARS):
+        leaf = jax.random.key_data(leaf)
+    elif isinstance(leaf, PYTHON_SCALARS):
         # As JAX would type it (int32, float32), so a target of jnp.asarray(...) or the same
         # Python number matches; orbax alone would save a Python int as int64.
-        return jnp.asarray(leaf)
+        leaf = jnp.asarray(leaf)
+    if jax.process_count() > 1 and isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+        # An array of this process alone (made outside the strategy) in a job of several: orbax
+        # saves only arrays over every process, or host arrays, which the chief writes. Every
+        # process holds the same value, as they run the same program.
+        return np.asarray(leaf)
     return leaf
 
 

@@ -109,19 +109,20 @@ def default_device() -> jax.Device:
     return jax.local_devices()[0]
 
 
-def canonical_name(device: jax.Device) -> str:
-    """Return TensorFlow's canonical name for `device`.
+def canonical_name(device: jax.Device, *, job: str = "localhost", task: int | None = None) -> str:
+    """Return TensorFlow's canonical name for `device`, in `job` (task: the device's process).
 
     Example:
       >>> import jax
       >>> canonical_name(jax.devices('cpu')[0])
       '/job:localhost/replica:0/task:0/device:CPU:0'
+      >>> canonical_name(jax.devices('cpu')[1], job='worker', task=1)
+      '/job:worker/replica:0/task:1/device:CPU:1'
     """
     same_kind = [d for d in _platform_devices(device.platform) if d.process_index == device.process_index]
     device_type = _TF_DEVICE_TYPES.get(device.platform, device.platform.upper())
-    return (
-        f"/job:localhost/replica:0/task:{device.process_index}/device:{device_type}:{same_kind.index(device)}"
-    )
+    task = device.process_index if task is None else task
+    return f"/job:{job}/replica:0/task:{task}/device:{device_type}:{same_kind.index(device)}"
 
 
 def _parse(text: str, *, caller: str, argument: str) -> _ParsedName:

@@ -10,6 +10,7 @@ importing any of them.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from jaxstrategy._src.errors import (
     caller_stacklevel,
     format_path,
 )
+from jaxstrategy._src.input_agreement import StepAgreement, agreed_steps, new_dataset_namespace
 from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
@@ -66,11 +68,23 @@ class ReplicaLayout:
       num_replicas: how many replicas share each batch.
       stacked: whether batches are split per replica, stacked along a new leading axis and
         delivered as `PerReplica` leaves (False only for one replica: the batch as it is).
+      local_replicas: the ids of this process's replicas, consecutive; None means all. When
+        some replicas belong to other processes, each process places only its own replicas'
+        parts, and the processes' inputs end together (see `input_agreement.py`).
     """
 
     sharding: jax.sharding.Sharding
     num_replicas: int = 1
     stacked: bool = False
+    local_replicas: range | None = None
+
+    @property
+    def local_replica_ids(self) -> range:
+        return range(self.num_replicas) if self.local_replicas is None else self.local_replicas
+
+    @property
+    def is_multi_process(self) -> bool:
+        return len(self.local_replica_ids) < self.num_replicas
 
 
 def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
@@ -108,7 +122,7 @@ class BatchPlacer:
         if isinstance(batch, DroppedBatch):
             return batch  # Passed on for the consumer to warn about.
         leaves = batch.leaves if batch.mask is None else [*batch.leaves, batch.mask]
-        placed = put_private(leaves, self._layout.sharding) if self._on_device else leaves
+        placed: list[Any] = self._place(leaves) if self._on_device else leaves
         signature = _Signature(batch.treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
         if self._layout.stacked:
             placed = [PerReplica(x) for x in placed]
@@ -116,6 +130,16 @@ class BatchPlacer:
         if batch.mask is not None:
             value = (value, placed[-1])
         return _Batch(value, signature)
+
+    def _place(self, leaves: list[np.ndarray]) -> list[jax.Array]:
+        if not self._layout.is_multi_process:
+            return put_private(leaves, self._layout.sharding)
+        # This process holds its own replicas' rows; JAX assembles the global array from them.
+        n = self._layout.num_replicas
+        return [
+            jax.make_array_from_process_local_data(self._layout.sharding, leaf, (n, *leaf.shape[1:]))
+            for leaf in leaves
+        ]
 
 
 def _to_host_array(leaf: Any) -> Any:
@@ -184,7 +208,10 @@ def cardinality_of(dataset: Any) -> int:
 def _grouped_cardinality(
     cardinalities: list[int], num_replicas: int, grouping: Grouping, options: InputOptions
 ) -> int:
-    """The number of batches made from sources of these cardinalities, where it is known."""
+    """The number of batches made from sources of these cardinalities, where it is known.
+
+    `num_replicas` is the number of replicas the sources feed: this process's, with `consecutive`.
+    """
     if any(c < 0 for c in cardinalities):
         infinite = all(c == INFINITE_CARDINALITY for c in cardinalities)
         return INFINITE_CARDINALITY if infinite else UNKNOWN_CARDINALITY
@@ -225,22 +252,33 @@ class DistributedDataset:
         options: InputOptions,
         caller: str,
     ):
+        on_device = bool(options.experimental_fetch_to_device)
+        if layout.is_multi_process and not on_device:
+            raise NotImplementedError(
+                f"{caller}: InputOptions(experimental_fetch_to_device=False) is not supported across "
+                "processes: a process holds only its own replicas' parts, which make no whole batch "
+                "on the host. Leave it True, and take host copies with experimental_local_results."
+            )
         passes = [host_passes(source, caller=caller) for source in sources]
         self._start_passes = [start for start, _ in passes]
         self._one_shot = any(one_shot for _, one_shot in passes)
+        fed = layout.num_replicas if grouping == "split" else len(layout.local_replica_ids)
         self._cardinality = _grouped_cardinality(
-            [cardinality_of(source) for source in sources], layout.num_replicas, grouping, options
+            [cardinality_of(source) for source in sources], fed, grouping, options
         )
         self._options = options
-        on_device = bool(options.experimental_fetch_to_device)
         self._batcher = ReplicaBatcher(
             num_replicas=layout.num_replicas,
+            local_replicas=layout.local_replicas,
             grouping=grouping,
             stacked=layout.stacked,
             partial_batch=options.partial_batch,
             caller=caller,
         )
         self._placer = BatchPlacer(layout, on_device=on_device)
+        self._caller = caller
+        # Where processes read their own inputs, they agree batch by batch where a pass ends.
+        self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
         self._passes_started = 0
         self._next_pass: DistributedIterator | None = None
         self._batches = _BatchTracker(layout.sharding if on_device else None)
@@ -257,8 +295,17 @@ class DistributedDataset:
             )
         self._passes_started += 1
         # Reading, copying and laying out batches happen in the producer thread, with placement.
-        batches = self._batcher.batches([host_elements(start()) for start in self._start_passes])
-        prefetch = PrefetchIterator(batches, self._placer, self._options.experimental_per_replica_buffer_size)
+        batches: Iterator[HostBatch | DroppedBatch] = self._batcher.batches(
+            [host_elements(start()) for start in self._start_passes]
+        )
+        stopped = threading.Event()
+        if self._agreement_namespace is not None:
+            namespace = f"{self._agreement_namespace}/{self._passes_started}"
+            agreement = StepAgreement(namespace, stop=stopped, caller=self._caller)
+            batches = agreed_steps(batches, agreement, cardinality=self._cardinality, caller=self._caller)
+        prefetch = PrefetchIterator(
+            batches, self._placer, self._options.experimental_per_replica_buffer_size, stopped=stopped
+        )
         return DistributedIterator(prefetch, self._batches)
 
     def __len__(self) -> int:

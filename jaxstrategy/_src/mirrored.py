@@ -39,7 +39,7 @@ from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like, require_array_leaves
 from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
-from jaxstrategy._src.variables import private_copy
+from jaxstrategy._src.variables import device_put_anywhere, private_copy
 
 # How many `run` steps may be queued on several CPU devices before one is waited for.
 _CPU_STEPS_IN_FLIGHT = 8
@@ -53,54 +53,23 @@ def _describe_value_path(path: Any) -> str:
     return format_path("value", path)
 
 
-class MirroredStrategy(Strategy):
-    """Synchronous training on several devices of this process: one replica per device.
+class MeshStrategy(Strategy):
+    """What `MirroredStrategy` and `MultiWorkerMirroredStrategy` share: one replica per device of
+    a one-axis mesh, variables replicated on all of them, `run` one SPMD program over the mesh.
 
-    Code written for `OneDeviceStrategy` runs unchanged. Variables made with `put`, `init` or a
-    checkpoint restore are replicated on every device. `run` traces its function once and runs it
-    on every replica as one SPMD program (`jax.jit` of `jax.shard_map`): a `PerReplica` argument,
-    such as a batch from a distributed dataset, gives each replica its own part, and any other
-    argument is seen whole by every replica. Inside, `get_replica_context().all_reduce('mean',
-    grads)` averages across replicas. Outputs that differ between replicas come back as
-    `PerReplica`; outputs JAX can show are the same on every replica (all-reduced values, or values
-    computed only from replicated inputs) come back as replicated arrays.
-
-    Args:
-      devices: the devices, in any form `OneDeviceStrategy` accepts, as a list or tuple; None
-        (or an empty list) means every local device of JAX's default backend.
-      cross_device_ops: accepted for TensorFlow compatibility; XLA chooses how to communicate, so
-        anything but None has no effect and warns.
-
-    Raises:
-      InvalidDeviceError: (a `ValueError`) a device cannot be parsed or does not exist here, a
-        device is listed twice, or the devices are of different kinds.
-      TypeError: `devices` is not a list or tuple (a single string, say).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jaxstrategy
-      >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
-      >>> strategy.num_replicas_in_sync
-      2
-      >>> def step(x):
-      ...     context = jaxstrategy.get_replica_context()
-      ...     return context.all_reduce('sum', x + context.replica_id_in_sync_group)
-      >>> print(strategy.run(step, args=(1,)))
-      3
-      >>> dataset = strategy.experimental_distribute_dataset([jnp.arange(4)])
-      >>> batch = next(iter(dataset))
-      >>> [part.tolist() for part in strategy.experimental_local_results(batch)]
-      [[0, 1], [2, 3]]
+    The mesh may span several processes. Each process then holds the components of its own
+    replicas (its "local" replicas, consecutive in replica order): `experimental_local_results`
+    and `experimental_distribute_values_from_function` deal in those, while `reduce`, `gather`
+    and `run` work on the whole mesh and give every process the same replicated results.
     """
 
-    def __init__(self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: Any = None):
-        if cross_device_ops is not None:
-            warnings.warn(
-                "MirroredStrategy(cross_device_ops=...) has no effect: XLA chooses how replicas "
-                "communicate. Leave it out.",
-                stacklevel=caller_stacklevel(),
-            )
-        self._devices = _resolve_devices(devices)
-        self._mesh = jax.sharding.Mesh(np.array(self._devices), (REPLICA_AXIS,))
+    def __init__(self, devices: tuple[jax.Device, ...]):
+        self._devices = devices
+        self._local_devices = tuple(d for d in devices if d.process_index == jax.process_index())
+        self._local_replica_ids = range(
+            devices.index(self._local_devices[0]), devices.index(self._local_devices[-1]) + 1
+        )
+        self._mesh = jax.sharding.Mesh(np.array(devices), (REPLICA_AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
         self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
         self._combine = jax.jit(_combine, static_argnums=(0, 1, 2), out_shardings=self._sharding)
@@ -121,15 +90,6 @@ class MirroredStrategy(Strategy):
     def mesh(self) -> jax.sharding.Mesh:
         """The `jax.sharding.Mesh` of the devices, with one axis, `'replica'`."""
         return self._mesh
-
-    def __repr__(self) -> str:
-        return f"MirroredStrategy(devices={self._devices!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MirroredStrategy) and other._devices == self._devices
-
-    def __hash__(self) -> int:
-        return hash((MirroredStrategy, self._devices))
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
         """Combine `value` across replicas, and along `axis` within each replica unless it is None.
@@ -188,11 +148,12 @@ class MirroredStrategy(Strategy):
         return super().gather(value, axis)
 
     def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
-        """Return one tree per replica of `value`, in replica order.
+        """Return one tree per replica of this process, in replica order.
 
         A `PerReplica` leaf gives each replica its component, and an array replicated on this
         strategy's devices its copy on the replica's device; any other leaf is repeated.
         TensorFlow returns a plain leaf once, as `(value,)`; here it is always one per replica.
+        With several processes, each gets its own replicas' values, as in TensorFlow.
 
         Example:
           >>> import jaxstrategy
@@ -204,12 +165,12 @@ class MirroredStrategy(Strategy):
         check_replica_count(
             value,
             len(self._devices),
-            caller="MirroredStrategy.experimental_local_results()",
+            caller=f"{type(self).__name__}.experimental_local_results()",
             describe=_describe_value_path,
         )
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         per_leaf = [self._local_copies(leaf) for leaf in leaves]
-        count = len(self._devices)
+        count = len(self._local_devices)
         return tuple(jax.tree.unflatten(treedef, [copies[i] for copies in per_leaf]) for i in range(count))
 
     def experimental_distribute_values_from_function(
@@ -219,7 +180,9 @@ class MirroredStrategy(Strategy):
 
         Each replica's component is placed on its own device. Array leaves must have the same
         shape and dtype on every replica (one program runs on all of them); a leaf that is not an
-        array must be equal on every replica and is returned as it is.
+        array must be equal on every replica and is returned as it is. With several processes,
+        each process calls `value_fn` for its own replicas only (with their global replica ids),
+        and Python numbers become arrays of JAX's default dtypes rather than weakly typed ones.
 
         Raises:
           TypeError: `value_fn` is not callable; a leaf that is not an array differs between
@@ -234,18 +197,20 @@ class MirroredStrategy(Strategy):
           >>> [int(v) for v in strategy.experimental_local_results(value)]
           [0, 10]
         """
-        caller = "MirroredStrategy.experimental_distribute_values_from_function()"
+        caller = f"{type(self).__name__}.experimental_distribute_values_from_function()"
         if not callable(value_fn):
             raise TypeError(f"{caller}: value_fn must be callable with a ValueContext; got {value_fn!r}.")
         count = len(self._devices)
-        results = [value_fn(ValueContext(i, count)) for i in range(count)]
+        replica_ids = self._local_replica_ids
+        results = [value_fn(ValueContext(i, count)) for i in replica_ids]
         flat = [jax.tree_util.tree_flatten_with_path(result) for result in results]
         treedef: Any = flat[0][1]
-        for replica, (_, other) in enumerate(flat[1:], start=1):
+        for replica, (_, other) in zip(replica_ids[1:], flat[1:], strict=True):
             if other != treedef:
                 raise ValueError(
-                    f"{caller}: value_fn returned different structures for replica 0 ({treedef}) "
-                    f"and replica {replica} ({other}); it must return the same structure for all."
+                    f"{caller}: value_fn returned different structures for replica {replica_ids[0]} "
+                    f"({treedef}) and replica {replica} ({other}); it must return the same structure "
+                    "for all."
                 )
         leaves = []
         for j, (path, _) in enumerate(flat[0][0]):
@@ -274,7 +239,12 @@ class MirroredStrategy(Strategy):
 
     @property
     def _batch_layout(self) -> ReplicaLayout:
-        return ReplicaLayout(self._stacked_sharding, num_replicas=len(self._devices), stacked=True)
+        return ReplicaLayout(
+            self._stacked_sharding,
+            num_replicas=len(self._devices),
+            stacked=True,
+            local_replicas=self._local_replica_ids,
+        )
 
     def _replica_program(self, fn: StepFn) -> StepFn:
         def replica_context(replica_id: jax.Array) -> Any:
@@ -285,11 +255,11 @@ class MirroredStrategy(Strategy):
             mesh=self._mesh,
             axis_name=REPLICA_AXIS,
             replica_context=replica_context,
-            caller="MirroredStrategy.run()",
+            caller=f"{type(self).__name__}.run()",
         )
 
     def _default_device_scope(self) -> Any:
-        return jax.default_device(self._devices[0])
+        return jax.default_device(self._local_devices[0])
 
     def _shardings_for(
         self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
@@ -304,14 +274,14 @@ class MirroredStrategy(Strategy):
         return jax.tree.unflatten(treedef, [self._stacked_sharding if s else self._sharding for s in stacked])
 
     def _run_inputs_layout(self, args_and_kwargs: PyTree) -> jax.sharding.Sharding | PyTree:
-        caller = "MirroredStrategy.run()"
+        caller = f"{type(self).__name__}.run()"
         return self._shardings_for(args_and_kwargs, caller=caller, describe=format_argument_path)
 
     def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
-        return self._combine_leaves("reduce", op, value, axis, caller="MirroredStrategy.reduce()")
+        return self._combine_leaves("reduce", op, value, axis, caller=f"{type(self).__name__}.reduce()")
 
     def _gather(self, value: PyTree, axis: int) -> PyTree:
-        return self._combine_leaves("gather", None, value, axis, caller="MirroredStrategy.gather()")
+        return self._combine_leaves("gather", None, value, axis, caller=f"{type(self).__name__}.gather()")
 
     # Helpers.
 
@@ -333,7 +303,7 @@ class MirroredStrategy(Strategy):
         arrays = [leaf.stacked if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
         # Onto this mesh first (a no-op for what is there already): `_combine` pins no inputs.
         shardings = [self._stacked_sharding if is_stacked else self._sharding for is_stacked in stacked]
-        arrays = jax.device_put(arrays, shardings)
+        arrays = device_put_anywhere(arrays, shardings)
         spec = (kind, op, len(self._devices))
         combined = self._combine(spec, tuple(map(tuple, axes)), stacked, arrays)
         return jax.tree.unflatten(treedef, combined)
@@ -344,21 +314,25 @@ class MirroredStrategy(Strategy):
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
         if isinstance(leaf, PerReplica):
             stacked = leaf.stacked
-            if isinstance(stacked, jax.Array):  # Host batches stay on the host.
-                stacked = jax.device_put(stacked, self._stacked_sharding)
-            return components(stacked)
-        count = len(self._devices)
+            if isinstance(stacked, jax.Array):  # This process's components, each on its device.
+                (stacked,) = device_put_anywhere([stacked], self._stacked_sharding)
+                return components(stacked)
+            return tuple(stacked[i] for i in self._local_replica_ids)  # Host batches stay on the host.
         if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
             by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
-            return tuple(by_device[device] for device in self._devices)
-        return (leaf,) * count
+            return tuple(by_device[device] for device in self._local_devices)
+        return (leaf,) * len(self._local_devices)
+
+    @property
+    def _is_multi_process(self) -> bool:
+        return len(self._local_devices) < len(self._devices)
 
     def _stack_components(self, replica_values: list[Any], where: str, caller: str) -> Any:
-        if all(type(v) is type(replica_values[0]) for v in replica_values) and isinstance(
-            replica_values[0], PYTHON_SCALARS
-        ):
+        same_type = all(type(v) is type(replica_values[0]) for v in replica_values)
+        if same_type and isinstance(replica_values[0], PYTHON_SCALARS) and not self._is_multi_process:
             # Stacked by jit, which keeps them weakly typed, as one device does (a float then
-            # takes on the dtype of the array it meets, as a Python float would).
+            # takes on the dtype of the array it meets, as a Python float would). A jit needs
+            # every replica's value, which one process of several does not have.
             return PerReplica(self._stack_python_scalars(*replica_values))
         if not all(is_array_like(v) for v in replica_values):
             if all(v == replica_values[0] for v in replica_values[1:]):
@@ -370,20 +344,81 @@ class MirroredStrategy(Strategy):
             )
         parts = [
             jax.device_put(v if isinstance(v, jax.Array) else np.asarray(private_copy(v)), device)
-            for v, device in zip(replica_values, self._devices, strict=True)
+            for v, device in zip(replica_values, self._local_devices, strict=True)
         ]
         kinds = {(part.shape, part.dtype) for part in parts}
         if len(kinds) > 1:
-            found = [f"replica {i}: {part.dtype}{list(part.shape)}" for i, part in enumerate(parts)]
+            found = [
+                f"replica {i}: {part.dtype}{list(part.shape)}"
+                for i, part in zip(self._local_replica_ids, parts, strict=True)
+            ]
             raise ValueError(
                 f"{caller}: {where} must have the same shape and dtype on every replica, since one "
                 f"program runs on all of them; got:{bullet_list(found)}"
             )
         stacked_parts = [part[None] for part in parts]
-        shape = (len(parts), *parts[0].shape)
+        shape = (len(self._devices), *parts[0].shape)
         return PerReplica(
             jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, stacked_parts)
         )
+
+
+class MirroredStrategy(MeshStrategy):
+    """Synchronous training on several devices of this process: one replica per device.
+
+    Code written for `OneDeviceStrategy` runs unchanged. Variables made with `put`, `init` or a
+    checkpoint restore are replicated on every device. `run` traces its function once and runs it
+    on every replica as one SPMD program (`jax.jit` of `jax.shard_map`): a `PerReplica` argument,
+    such as a batch from a distributed dataset, gives each replica its own part, and any other
+    argument is seen whole by every replica. Inside, `get_replica_context().all_reduce('mean',
+    grads)` averages across replicas. Outputs that differ between replicas come back as
+    `PerReplica`; outputs JAX can show are the same on every replica (all-reduced values, or values
+    computed only from replicated inputs) come back as replicated arrays.
+
+    Args:
+      devices: the devices, in any form `OneDeviceStrategy` accepts, as a list or tuple; None
+        (or an empty list) means every local device of JAX's default backend.
+      cross_device_ops: accepted for TensorFlow compatibility; XLA chooses how to communicate, so
+        anything but None has no effect and warns.
+
+    Raises:
+      InvalidDeviceError: (a `ValueError`) a device cannot be parsed or does not exist here, a
+        device is listed twice, or the devices are of different kinds.
+      TypeError: `devices` is not a list or tuple (a single string, say).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+      >>> strategy.num_replicas_in_sync
+      2
+      >>> def step(x):
+      ...     context = jaxstrategy.get_replica_context()
+      ...     return context.all_reduce('sum', x + context.replica_id_in_sync_group)
+      >>> print(strategy.run(step, args=(1,)))
+      3
+      >>> dataset = strategy.experimental_distribute_dataset([jnp.arange(4)])
+      >>> batch = next(iter(dataset))
+      >>> [part.tolist() for part in strategy.experimental_local_results(batch)]
+      [[0, 1], [2, 3]]
+    """
+
+    def __init__(self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: Any = None):
+        if cross_device_ops is not None:
+            warnings.warn(
+                "MirroredStrategy(cross_device_ops=...) has no effect: XLA chooses how replicas "
+                "communicate. Leave it out.",
+                stacklevel=caller_stacklevel(),
+            )
+        super().__init__(_resolve_devices(devices))
+
+    def __repr__(self) -> str:
+        return f"MirroredStrategy(devices={self._devices!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MirroredStrategy) and other._devices == self._devices
+
+    def __hash__(self) -> int:
+        return hash((MirroredStrategy, self._devices))
 
 
 def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, ...]:

@@ -45,10 +45,10 @@ class _Failure:
 class _Channel:
     """What the producer thread and the consumer share. It never refers to the iterator."""
 
-    def __init__(self, buffer_size: int):
+    def __init__(self, buffer_size: int, stopped: threading.Event):
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.free_slots = threading.Semaphore(buffer_size)
-        self.stopped = threading.Event()
+        self.stopped = stopped
         self.buffer_size = buffer_size
 
     def stop(self) -> None:
@@ -94,6 +94,8 @@ class PrefetchIterator(Generic[T]):
       buffer_size: how many elements to keep placed ahead; 0 means no thread: each element is
         read and placed when asked for.
       name: the producer thread's name, for debuggers and thread dumps.
+      stopped: an event to set when the iterator is closed or collected, for a source that waits
+        on something else (and should stop waiting then); a new one when None.
 
     Example:
       >>> iterator = PrefetchIterator(iter([1, 2, 3]), put=lambda x: x * 10, buffer_size=2)
@@ -108,9 +110,11 @@ class PrefetchIterator(Generic[T]):
         buffer_size: int,
         *,
         name: str = "jaxstrategy-prefetch",
+        stopped: threading.Event | None = None,
     ):
         self._lookahead: list[T] = []
         self._finished = False
+        self._stopped = threading.Event() if stopped is None else stopped
         if buffer_size == 0:
             self._source: Iterator[Any] | None = source
             self._put = put
@@ -118,7 +122,7 @@ class PrefetchIterator(Generic[T]):
             self._thread: threading.Thread | None = None
             return
         self._source = None
-        self._channel = _Channel(buffer_size)
+        self._channel = _Channel(buffer_size, self._stopped)
         self._thread = threading.Thread(
             target=_produce, args=(source, put, self._channel), name=name, daemon=True
         )
@@ -150,6 +154,7 @@ class PrefetchIterator(Generic[T]):
         """Stop the producer thread and drop the elements it placed ahead. Safe to call twice."""
         self._finished = True
         self._lookahead.clear()
+        self._stopped.set()
         if self._channel is not None:
             self._finalizer()
         elif self._source is not None:

@@ -56,7 +56,8 @@ class HostBatch:
 
 @dataclasses.dataclass(frozen=True)
 class DroppedBatch:
-    """Stands in the stream for a batch dropped under `partial_batch='drop'`: what to warn."""
+    """Stands in the stream for batches not delivered: one dropped under `partial_batch='drop'`,
+    or those left unread where processes' inputs end at different steps. Carries the warning."""
 
     message: str
 
@@ -66,6 +67,9 @@ class ReplicaBatcher:
 
     Args:
       num_replicas: how many replicas share each batch.
+      local_replicas: the ids of this process's replicas (consecutive), whose parts it lays out;
+        None for all. With `split` every process reads the same global batches and keeps its
+        replicas' parts; otherwise this process's pipelines supply its replicas alone.
       grouping: how replicas take their parts (see the module docstring).
       stacked: stack the parts along a new leading axis (False only for one replica, whose
         batch is then passed on as it is).
@@ -74,11 +78,19 @@ class ReplicaBatcher:
     """
 
     def __init__(
-        self, *, num_replicas: int, grouping: Grouping, stacked: bool, partial_batch: str, caller: str
+        self,
+        *,
+        num_replicas: int,
+        grouping: Grouping,
+        stacked: bool,
+        partial_batch: str,
+        caller: str,
+        local_replicas: range | None = None,
     ):
         if not stacked and (num_replicas != 1 or grouping != "split"):
             raise ValueError("Unstacked batches are for a single replica that takes whole batches.")
         self._n = num_replicas
+        self._local = range(num_replicas) if local_replicas is None else local_replicas
         self._grouping = grouping
         self._stacked = stacked
         self._policy = partial_batch
@@ -93,7 +105,7 @@ class ReplicaBatcher:
             return
         if self._grouping == "consecutive":
             (elements,) = passes
-            groups: Iterator[Sequence[HostElement | None]] = _chunks(elements, self._n)
+            groups: Iterator[Sequence[HostElement | None]] = _chunks(elements, len(self._local))
         else:
             groups = _zip_until_one_ends(passes)
         for group in groups:
@@ -120,15 +132,18 @@ class ReplicaBatcher:
             if dropped is not None:
                 return dropped
         padded = per_replica * self._n
+        rows = slice(self._local.start, self._local.stop)  # This process's replicas' parts.
         leaves = [
-            _pad_to(leaf, padded).reshape(self._n, per_replica, *leaf.shape[1:]) for leaf in element.leaves
+            _pad_to(leaf, padded).reshape(self._n, per_replica, *leaf.shape[1:])[rows]
+            for leaf in element.leaves
         ]
-        mask = (np.arange(padded) < size).reshape(self._n, per_replica) if pad else None
+        mask = (np.arange(padded) < size).reshape(self._n, per_replica)[rows] if pad else None
         return HostBatch(leaves, element.treedef, mask)
 
     def _stack(self, group: Sequence[HostElement | None]) -> HostBatch | DroppedBatch:
-        """Stack one element per replica; None, or a group shorter than the replicas, is missing."""
-        group = [*group, *[None] * (self._n - len(group))]
+        """Stack one element per local replica; None, or a group shorter than them, is missing."""
+        count = len(self._local)
+        group = [*group, *[None] * (count - len(group))]
         present = [element for element in group if element is not None]
         first = present[0]
         for element in present[1:]:
@@ -148,8 +163,9 @@ class ReplicaBatcher:
                 f"({'; '.join(_describe_shapes(e) for e in present)}). Only the first (batch) axis "
                 "may differ, and only with InputOptions(partial_batch='pad')."
             )
-        if len(present) < self._n:
-            what = f"{len(present)} element(s) for the {self._n} replicas at the end of the data"
+        if len(present) < count:
+            replicas = f"{count} replicas" if count == self._n else f"{count} replicas of this process"
+            what = f"{len(present)} element(s) for the {replicas} at the end of the data"
         elif not unbatched and len(set(sizes)) > 1:
             what = f"elements of different batch sizes {sizes} for one step"
         else:
@@ -169,7 +185,7 @@ class ReplicaBatcher:
         if unbatched:
             mask = np.array([e is not None for e in group])
         else:
-            mask = np.zeros((self._n, max(sizes)), bool)
+            mask = np.zeros((count, max(sizes)), bool)
             for replica, part in enumerate(group):
                 if part is not None:
                     mask[replica, : _batch_size(part)] = True

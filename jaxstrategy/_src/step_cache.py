@@ -44,6 +44,7 @@ from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_argum
 from jaxstrategy._src.options import RunOptions
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
+from jaxstrategy._src.variables import device_put_anywhere
 
 # Compiled wrappers kept per strategy. Beyond this the oldest is dropped (a program that makes a
 # new function every step would otherwise keep every one of them alive).
@@ -257,7 +258,7 @@ class _Layout:
         moving = [i for i, (leaf, where) in enumerate(pairs) if _misplaced(leaf, where)]
         if not moving:
             return args_and_kwargs
-        moved = jax.device_put([leaves[i] for i in moving], [shardings[i] for i in moving])
+        moved = device_put_anywhere([leaves[i] for i in moving], [shardings[i] for i in moving])
         for i, leaf in zip(moving, moved, strict=True):
             leaves[i] = leaf
         return jax.tree.unflatten(treedef, leaves)

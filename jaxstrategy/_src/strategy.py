@@ -118,6 +118,11 @@ class Strategy(abc.ABC):
         return ReplicaLayout(self.sharding)
 
     @property
+    def _input_pipeline(self) -> tuple[int, int]:
+        """`(num_input_pipelines, input_pipeline_id)` of this process's one pipeline."""
+        return 1, 0
+
+    @property
     def _run_wait_every(self) -> int | None:
         """Wait for every this many `run` calls to finish (None: never); see MirroredStrategy."""
         return None
@@ -390,6 +395,11 @@ class Strategy(abc.ABC):
         replica `i` reads the `i`-th dataset. Batches are prefetched as by
         `experimental_distribute_dataset`.
 
+        On `MultiWorkerMirroredStrategy` each process is one pipeline
+        (`num_input_pipelines=jax.process_count()`, `input_pipeline_id=jax.process_index()`)
+        whose elements go to that process's replicas in the same way, and the processes' inputs
+        end at the same step: where one runs out first, all stop there, with a warning.
+
         Raises:
           TypeError: `dataset_fn` is not callable or returns something that is not iterable.
           NotImplementedError: `InputReplicationMode.PER_REPLICA` on `OneDeviceStrategy`, as in
@@ -418,16 +428,15 @@ class Strategy(abc.ABC):
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
         n = self.num_replicas_in_sync
+        layout = self._batch_layout
         if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-            input_contexts = [InputContext(n, i, n) for i in range(n)]
+            input_contexts = [InputContext(n, i, n) for i in layout.local_replica_ids]
             grouping: Grouping = "zip"
         else:
-            input_contexts = [InputContext(1, 0, n)]
-            grouping = "consecutive" if self._batch_layout.stacked else "split"
+            input_contexts = [InputContext(*self._input_pipeline, n)]
+            grouping = "consecutive" if layout.stacked else "split"
         sources = [dataset_fn(context) for context in input_contexts]
-        return DistributedDataset(
-            sources, layout=self._batch_layout, grouping=grouping, options=options, caller=caller
-        )
+        return DistributedDataset(sources, layout=layout, grouping=grouping, options=options, caller=caller)
 
     def _check_input_options(
         self, options: InputOptions | None, caller: str, *, per_replica_supported: bool

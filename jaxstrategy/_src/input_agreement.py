@@ -1,0 +1,164 @@
+"""Ending an input pass at the same step on every process of a multi-process job.
+
+Each process reads its own input. If one process's input ends while the others still have
+batches, the others would go on to a step the first never runs and wait forever in its
+collectives. So before each step's batch is handed out, the processes agree on how many of them
+have one, and a pass ends for all at the first step where not every process has one.
+
+They agree through JAX's coordination service: the key-value store that every process of a
+`jax.distributed` job reaches through its coordinator. No device takes part, so agreeing runs in
+the input thread, ahead of the training steps, and never queues behind them. Each step costs one
+atomic increment per process, and one blocking read for all but the last to arrive:
+
+- a process adds `1 + has_batch * (num_processes + 1)` to the step's counter, so the sum
+  carries both how many processes have arrived and how many of them have a batch;
+- the last to arrive publishes how many have a batch, and deletes the previous step's keys
+  (every process has read them: each read them before arriving here);
+- the others wait for that result, a second at a time so that closing the iterator ends the
+  wait, and give up with an error after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import jax
+
+from jaxstrategy._src.replica_batches import DroppedBatch
+
+T = TypeVar("T")
+
+_POLL_MS = 1000
+# How long a process waits for the others to reach the same step of a pass before giving up. The
+# processes' input threads run at most a few batches apart unless one process stalls for long (a
+# slow checkpoint on the chief), so this is generous; it ends waits that can never succeed.
+TIMEOUT_S = 1800.0
+_dataset_serials = itertools.count()
+
+
+def coordination_client() -> Any:
+    """JAX's client of its coordination service (private to JAX; orbax and JAX's own
+    `multihost_utils` use it the same way)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "JAX's distributed runtime is not running, so processes cannot agree where their "
+            "input ends. Create the MultiWorkerMirroredStrategy before distributing datasets."
+        )
+    return client
+
+
+def new_dataset_namespace() -> str:
+    """A key prefix for one distributed dataset: the same on every process, because every process
+    creates the same datasets in the same order."""
+    return f"jaxstrategy/input/{next(_dataset_serials)}"
+
+
+class StepAgreement:
+    """How many processes have a batch at each step of one pass; see the module docstring.
+
+    Args:
+      namespace: the pass's key prefix, the same on every process.
+      stop: set when the consumer is gone; ends a wait early.
+      caller: the call to name in messages.
+      timeout_s: how long to wait for the other processes at one step.
+    """
+
+    def __init__(self, namespace: str, *, stop: threading.Event, caller: str, timeout_s: float | None = None):
+        self._client = coordination_client()
+        self._num_processes = jax.process_count()
+        self._namespace = namespace
+        self._stop = stop
+        self._caller = caller
+        self._timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+
+    @property
+    def num_processes(self) -> int:
+        return self._num_processes
+
+    def count(self, step: int, has_batch: bool) -> int | None:
+        """How many processes have a batch at `step`; None when the consumer went away meanwhile.
+
+        Raises:
+          TimeoutError: the other processes did not reach `step` within the timeout.
+        """
+        n = self._num_processes
+        key = f"{self._namespace}/{step}"
+        total = self._client.key_value_increment(f"{key}/count", 1 + int(has_batch) * (n + 1))
+        arrived, with_batch = total % (n + 1), total // (n + 1)
+        if arrived == n:
+            self._client.key_value_set(f"{key}/result", str(with_batch))
+            if step:
+                previous = f"{self._namespace}/{step - 1}"
+                self._client.key_value_delete(f"{previous}/count")
+                self._client.key_value_delete(f"{previous}/result")
+            return with_batch
+        return self._wait_for_result(key, step)
+
+    def _wait_for_result(self, key: str, step: int) -> int | None:
+        deadline = time.monotonic() + self._timeout_s
+        while not self._stop.is_set():
+            try:
+                return int(self._client.blocking_key_value_get(f"{key}/result", _POLL_MS))
+            except jax.errors.JaxRuntimeError as error:
+                if "DEADLINE_EXCEEDED" not in str(error):
+                    raise
+            if time.monotonic() > deadline:
+                arrived = int(self._client.key_value_try_get(f"{key}/count")) % (self._num_processes + 1)
+                raise TimeoutError(
+                    f"{self._caller}: process {jax.process_index()} waited {self._timeout_s:.0f} s for "
+                    f"the other processes to reach step {step} of this dataset's pass, and only "
+                    f"{arrived} of {self._num_processes} did. Every process must create and iterate "
+                    "the same distributed datasets in the same order (the same passes, and the same "
+                    "element_spec reads)."
+                )
+        return None
+
+
+def agreed_steps(
+    batches: Iterator[T], agreement: StepAgreement, *, cardinality: int, caller: str
+) -> Iterator[T | DroppedBatch]:
+    """The batches of `batches` up to the first step at which some process has none.
+
+    `DroppedBatch` items pass through without a step of their own. When the processes' inputs
+    end at different steps, a `DroppedBatch` carrying the warning comes last on every process.
+
+    Args:
+      batches: this process's batches for one pass.
+      agreement: the pass's `StepAgreement`.
+      cardinality: how many batches `batches` yields, or a negative number when unknown.
+      caller: the call to name in the warning.
+    """
+    n = agreement.num_processes
+    for step in itertools.count():
+        item = next(batches, None)
+        while isinstance(item, DroppedBatch):
+            yield item
+            item = next(batches, None)
+        has_batch = item is not None
+        with_batch = agreement.count(step, has_batch)
+        if with_batch is None:
+            return  # The consumer went away.
+        if with_batch == n:
+            assert item is not None  # Every process has a batch, this one included.
+            yield item
+            continue
+        if with_batch:
+            if has_batch:
+                left = f"{cardinality - step} batch(es)" if cardinality >= 0 else "at least one batch"
+                here = f"this process leaves {left} unread"
+            else:
+                here = "this process's input is one of those that ended"
+            yield DroppedBatch(
+                f"{caller}: the input of {n - with_batch} of {n} processes ended at step {step} while "
+                f"the others still had batches, so every process ends this pass there (going on would "
+                f"wait forever in the step's collectives); {here}. Give every process the same "
+                "number of batches, for example by sharding the data evenly and dropping the remainder."
+            )
+        return

@@ -1,0 +1,278 @@
+"""`MultiWorkerMirroredStrategy`: MirroredStrategy's one program over the devices of many processes.
+
+Every process runs the same script. Creating the strategy works out the job from a cluster
+resolver and starts JAX's distributed runtime (`jax.distributed.initialize`) once per process;
+from then on the mesh spans every device of every process, and everything works as on
+`MirroredStrategy` (see `mirrored.MeshStrategy`), with XLA's collectives (gloo on CPU, NCCL on
+GPU) doing the communication. jaxstrategy opens no connection of its own.
+
+Starting the runtime can fail in ways JAX reports by ending the process from C++ (a coordinator
+that cannot be reached, a process that never starts), so the start-up is watched: when it takes
+longer than its timeout, a message saying what to check goes to stderr before JAX ends the
+process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+
+import jax
+
+from jaxstrategy._src.cluster_resolver import (
+    ClusterResolver,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    ThisProcessResolver,
+)
+from jaxstrategy._src.device_spec import canonical_name
+from jaxstrategy._src.mirrored import MeshStrategy
+from jaxstrategy._src.strategy import StrategyExtended
+
+_CALLER = "MultiWorkerMirroredStrategy()"
+
+
+class MultiWorkerMirroredStrategy(MeshStrategy):
+    """Synchronous training on every device of several processes, one replica per device.
+
+    Every process runs the same script and creates this strategy first, before any other JAX
+    call. It finds its job through `cluster_resolver`, joins it (`jax.distributed.initialize`),
+    and from then on behaves as `MirroredStrategy` over the devices of all processes:
+    `num_replicas_in_sync` counts them all, `run` is one SPMD program over all of them, and
+    `reduce`, `gather` and `put` give every process the same replicated result. Each process holds
+    its own replicas' values: `experimental_local_results` returns those.
+
+    Input: `experimental_distribute_dataset` has every process read the same source and keep its
+    replicas' parts of each global batch; `distribute_datasets_from_function` calls `dataset_fn`
+    once per process, with `InputContext(num_input_pipelines=jax.process_count(),
+    input_pipeline_id=jax.process_index(), ...)`, so each process reads its own shard. Where the
+    processes' inputs end at different steps, every process ends the pass at the first such step,
+    with a warning, instead of one of them waiting forever.
+
+    Without a resolver the job comes from the `TF_CONFIG` environment variable when it is set,
+    else from a `jax.distributed` runtime already started in this process, else from a cluster
+    JAX detects itself (SLURM, Open MPI, Kubernetes, Cloud TPU), else it is this process alone.
+    A job JAX finds but cannot join (because JAX already started in this process) is an error,
+    never a silent fall-back to one process.
+
+    Args:
+      cluster_resolver: a `TFConfigClusterResolver`, a `SimpleClusterResolver`, or None (see
+        above).
+      initialization_timeout: seconds to wait for every process to join; JAX ends the process
+        after that (and after `heartbeat_timeout_seconds` more), with a message on stderr.
+      heartbeat_timeout_seconds: seconds after which a process that stopped responding (it
+        crashed, or was killed) counts as dead; JAX then ends every other process.
+
+    Raises:
+      TypeError: `cluster_resolver` is not a `ClusterResolver`.
+      ValueError: `TF_CONFIG` is malformed, or this process's runtime already runs another job.
+      RuntimeError: JAX already started in this process, so it can no longer join a job of
+        several processes.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.MultiWorkerMirroredStrategy()  # No cluster here: this process alone.
+      >>> strategy.cluster_resolver.num_processes, strategy.cluster_resolver.task_type
+      (1, None)
+      >>> strategy.num_replicas_in_sync
+      4
+      >>> print(strategy.run(lambda: jaxstrategy.get_replica_context().all_reduce('sum', 1)))
+      4
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        *,
+        initialization_timeout: int = 300,
+        heartbeat_timeout_seconds: int = 100,
+    ):
+        for name, value in (
+            ("initialization_timeout", initialization_timeout),
+            ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"MultiWorkerMirroredStrategy({name}={value!r}): expected whole seconds >= 1."
+                )
+        self._cluster_resolver = join_cluster(
+            cluster_resolver,
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        )
+        # Process by process, so that each process's replicas are consecutive.
+        devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        super().__init__(devices)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver of the job this process belongs to (`task_type`, `task_id`, ...)."""
+        return self._cluster_resolver
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TensorFlow's facts: this process's devices, and whether it is the chief.
+
+        `worker_devices` are this process's devices, named in its job and task as TensorFlow
+        names them. Only the chief (process 0) should save checkpoints and summaries; with
+        several processes, each runs its own copy of the program (`experimental_between_graph`).
+        """
+        resolver = self._cluster_resolver
+        job = resolver.task_type or "localhost"
+        task = resolver.task_id if resolver.task_id is not None else resolver.process_id
+        names = tuple(canonical_name(d, job=job, task=task) for d in self._local_devices)
+        is_chief = resolver.process_id == 0
+        return StrategyExtended(
+            worker_devices=names,
+            parameter_devices=names,
+            experimental_between_graph=resolver.num_processes > 1,
+            should_checkpoint=is_chief,
+            should_save_summary=is_chief,
+        )
+
+    def __repr__(self) -> str:
+        return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MultiWorkerMirroredStrategy) and other._devices == self._devices
+
+    def __hash__(self) -> int:
+        return hash((MultiWorkerMirroredStrategy, self._devices))
+
+    @property
+    def _input_pipeline(self) -> tuple[int, int]:
+        return jax.process_count(), jax.process_index()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timeouts:
+    initialization_timeout: int
+    heartbeat_timeout_seconds: int
+
+
+def join_cluster(
+    resolver: ClusterResolver | None, *, initialization_timeout: int, heartbeat_timeout_seconds: int
+) -> ClusterResolver:
+    """Start JAX's distributed runtime for the job `resolver` describes (found when None), unless
+    it runs already; return the resolver of the job this process is in."""
+    timeouts = _Timeouts(initialization_timeout, heartbeat_timeout_seconds)
+    if resolver is None:
+        return _default_job(timeouts)
+    if not isinstance(resolver, ClusterResolver):
+        raise TypeError(
+            f"MultiWorkerMirroredStrategy(cluster_resolver={resolver!r}): expected a "
+            "jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver, or None."
+        )
+    if jax.distributed.is_initialized():
+        _require_running_job(resolver)
+    elif resolver.num_processes > 1:
+        _start_runtime(resolver.coordinator_address, resolver.num_processes, resolver.process_id, timeouts)
+    return resolver
+
+
+def _default_job(timeouts: _Timeouts) -> ClusterResolver:
+    """TF_CONFIG, else the runtime already running, else JAX's detection, else this process alone."""
+    if os.environ.get("TF_CONFIG"):
+        return join_cluster(
+            TFConfigClusterResolver(),
+            initialization_timeout=timeouts.initialization_timeout,
+            heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
+        )
+    if not jax.distributed.is_initialized():
+        detected = _detected_cluster()
+        if detected is None:
+            return ThisProcessResolver()
+        _start_runtime(None, None, None, timeouts, detected=detected)
+    from jax._src import distributed  # Where JAX keeps the coordinator's address.
+
+    return SimpleClusterResolver(
+        distributed.global_state.coordinator_address, jax.process_count(), jax.process_index()
+    )
+
+
+def _detected_cluster() -> str | None:
+    """The name of the cluster environment JAX's `initialize()` would detect, or None.
+
+    JAX's detection is private (`jax._src.clusters`), so a JAX that moved it counts as detecting
+    nothing; TF_CONFIG and the resolvers do not depend on it.
+    """
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        environments = list(ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        return None
+    for environment in environments:
+        if not environment.opt_in_only_method and environment.is_env_present():
+            return str(environment.__name__)
+    return None
+
+
+def _require_running_job(resolver: ClusterResolver) -> None:
+    running = (jax.process_count(), jax.process_index())
+    if running != (resolver.num_processes, resolver.process_id):
+        raise ValueError(
+            f"{_CALLER}: JAX's distributed runtime already runs in this process as process "
+            f"{running[1]} of {running[0]}, but the cluster resolver makes it process "
+            f"{resolver.process_id} of {resolver.num_processes} ({resolver!r}). A process joins one "
+            "job: pass a resolver for the job it is in, or none to use the running one."
+        )
+
+
+def _start_runtime(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    timeouts: _Timeouts,
+    *,
+    detected: str | None = None,
+) -> None:
+    if detected is None:
+        job = f"process {process_id} of {num_processes}, coordinator {coordinator_address}"
+    else:
+        job = f"the {detected} job JAX detected"
+    started = threading.Event()
+    watchdog = threading.Thread(
+        target=_report_if_stuck,
+        args=(started, timeouts.initialization_timeout, job),
+        name="jaxstrategy-join-watchdog",
+        daemon=True,
+    )
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=timeouts.initialization_timeout,
+            heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
+        )
+    except RuntimeError as error:
+        # JAX raises this before connecting when its backend is already in use in this process.
+        raise RuntimeError(
+            f"{_CALLER}: cannot join {job}: JAX has already started in this process (something "
+            "created an array or asked for devices), and a running JAX cannot join a job of several "
+            "processes. Create the strategy first thing in the program, before any other JAX call. "
+            "To train in this process alone, use MirroredStrategy or pass "
+            f"SimpleClusterResolver(None, num_processes=1, process_id=0). (JAX said: {error})"
+        ) from error
+    finally:
+        started.set()
+        watchdog.join()
+
+
+def _report_if_stuck(started: threading.Event, timeout_s: int, job: str) -> None:
+    """Write what to check to stderr if joining takes longer than its timeout: JAX then ends the
+    process from C++, with a message that blames a crashed task."""
+    if started.wait(timeout_s):
+        return
+    sys.stderr.write(
+        f"\njaxstrategy: {_CALLER} could not join {job} within initialization_timeout="
+        f"{timeout_s} s: the coordinator could not be reached, or not every process of the job has "
+        "started. JAX will now end this process. Check that every process started with the same "
+        "cluster (TF_CONFIG), that the coordinator's host and port are right and reachable from "
+        "here, and that the port is free on the coordinator's host.\n"
+    )
+    sys.stderr.flush()

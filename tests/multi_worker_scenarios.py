@@ -1,0 +1,164 @@
+"""What every process of a two-process job does for test_multi_worker.py; run by its launcher.
+
+    python tests/multi_worker_scenarios.py OUTPUT_DIR
+
+Each process runs the same scenarios in the same order, as any multi-worker program must, and
+writes what it saw to OUTPUT_DIR/process-<index>.json for the test to check. A checkpoint goes to
+OUTPUT_DIR/checkpoint, for the test to restore in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxstrategy
+from jaxstrategy import checkpoint
+from jaxstrategy._src import input_agreement
+
+
+def spec_example() -> tuple[jaxstrategy.MultiWorkerMirroredStrategy, dict[str, Any]]:
+    """The spec page's cluster_resolver example, with the launcher's workers and a 'ps' job."""
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    tf_config["cluster"]["ps"] = ["127.0.0.1:1"]  # Listed, and not part of training.
+    os.environ["TF_CONFIG"] = json.dumps(tf_config)
+    # This implicitly uses TF_CONFIG for the cluster and current task info.
+    strategy = jaxstrategy.MultiWorkerMirroredStrategy()
+    if strategy.cluster_resolver.task_type == "worker":
+        branch = "worker"
+    elif strategy.cluster_resolver.task_type == "ps":
+        branch = "ps"
+    resolver = strategy.cluster_resolver
+    return strategy, {
+        "branch": branch,
+        "task": [resolver.task_type, resolver.task_id, resolver.process_id, resolver.num_processes],
+        "cluster_jobs": sorted(resolver.cluster_spec()),
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "worker_devices": list(strategy.extended.worker_devices),
+        "chief": [strategy.extended.should_checkpoint, strategy.extended.should_save_summary],
+        "between_graph": strategy.extended.experimental_between_graph,
+        "num_accelerators": resolver.num_accelerators(),
+    }
+
+
+def rejoining(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """A second strategy joins the running job; a resolver for another place in it is an error."""
+    resolver = strategy.cluster_resolver
+    same = jaxstrategy.MultiWorkerMirroredStrategy(
+        jaxstrategy.SimpleClusterResolver(resolver.coordinator_address, 2, resolver.process_id)
+    )
+    try:
+        jaxstrategy.MultiWorkerMirroredStrategy(
+            jaxstrategy.SimpleClusterResolver(resolver.coordinator_address, 2, 1 - resolver.process_id)
+        )
+        mismatch = "no error"
+    except ValueError as error:
+        mismatch = str(error)
+    return {"second_strategy_equal": same == strategy, "mismatch": mismatch}
+
+
+def collectives(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    ids = strategy.experimental_distribute_values_from_function(
+        lambda context: np.full(1, context.replica_id_in_sync_group, np.float32)
+    )
+    run_ids = strategy.run(lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group)
+    total = strategy.run(lambda: jaxstrategy.get_replica_context().all_reduce("sum", 1))
+    gathered = strategy.run(lambda x: jaxstrategy.get_replica_context().all_gather(x, axis=0), args=(ids,))
+    return {
+        "local_ids": [np.asarray(v).tolist() for v in strategy.experimental_local_results(ids)],
+        "run_local_ids": [int(v) for v in strategy.experimental_local_results(run_ids)],
+        "reduce_sum": np.asarray(strategy.reduce("sum", ids, axis=None)).tolist(),
+        "reduce_mean": np.asarray(strategy.reduce("mean", ids, axis=None)).tolist(),
+        "gather": np.asarray(strategy.gather(ids, axis=0)).tolist(),
+        "all_reduce_in_run": int(total),
+        "all_gather_in_run": np.asarray(gathered).tolist(),
+        "put": np.asarray(strategy.put({"w": np.arange(3.0, dtype=np.float32)})["w"]).tolist(),
+    }
+
+
+def split_batches(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """Every process reads the same global batches and keeps its replicas' parts."""
+    batches = [np.arange(8 * i, 8 * i + 8, dtype=np.int32) for i in range(3)]
+    dataset = strategy.experimental_distribute_dataset(batches)
+    seen, sums = [], []
+    for batch in dataset:
+        seen.append([np.asarray(part).tolist() for part in strategy.experimental_local_results(batch)])
+        sums.append(int(strategy.reduce("sum", batch, axis=0)))
+    return {"local_parts": seen, "sums": sums, "len": len(dataset)}
+
+
+def unequal_inputs(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """Process 0's pipeline has 3 steps of data, process 1's has 5: both stop after 3."""
+
+    def dataset_fn(context: jaxstrategy.InputContext) -> list[np.ndarray]:
+        steps = 3 if context.input_pipeline_id == 0 else 5
+        local = context.num_replicas_in_sync // context.num_input_pipelines
+        return [np.full(2, context.input_pipeline_id, np.float32)] * (steps * local)
+
+    def step(x: jax.Array) -> jax.Array:
+        # A collective: a process that went on alone would wait here forever.
+        return jaxstrategy.get_replica_context().all_reduce("sum", x)
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    steps = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in dataset:
+            strategy.run(step, args=(batch,))
+            steps += 1
+    return {"steps": steps, "warnings": [str(w.message) for w in caught]}
+
+
+def mismatched_datasets(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """Process 1 makes one dataset more than process 0, so the processes wait on different keys."""
+    input_agreement.TIMEOUT_S = 3.0
+    if jax.process_index() == 1:
+        strategy.experimental_distribute_dataset([np.zeros(4)])  # Never iterated.
+    dataset = strategy.experimental_distribute_dataset([np.zeros(4)] * 2)
+    try:
+        list(dataset)
+        return {"error": "no error"}
+    except TimeoutError as error:
+        return {"error": str(error)}
+
+
+def save_checkpoint(strategy: jaxstrategy.MultiWorkerMirroredStrategy, directory: Path) -> dict[str, Any]:
+    """Both processes save one checkpoint: a replicated variable and a value sharded over them."""
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda context: jnp.full((2,), context.replica_id_in_sync_group, jnp.float32)
+    )
+    tree = {
+        "w": strategy.put(np.arange(6, dtype=np.float32).reshape(2, 3)),
+        "per_replica": per_replica.stacked,
+    }
+    step = checkpoint.save(directory, tree)
+    restored = checkpoint.restore(directory, strategy=strategy, target=tree)
+    return {
+        "step": step,
+        "restored_here": np.asarray(restored["per_replica"]).tolist(),
+    }
+
+
+def main(output_dir: Path) -> None:
+    strategy, results = spec_example()
+    results["rejoining"] = rejoining(strategy)
+    results["collectives"] = collectives(strategy)
+    results["split_batches"] = split_batches(strategy)
+    results["unequal_inputs"] = unequal_inputs(strategy)
+    results["mismatched_datasets"] = mismatched_datasets(strategy)
+    results["checkpoint"] = save_checkpoint(strategy, output_dir / "checkpoint")
+    path = output_dir / f"process-{jax.process_index()}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
