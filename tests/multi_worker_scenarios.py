@@ -22,7 +22,6 @@ import numpy as np
 
 import jaxstrategy
 from jaxstrategy import checkpoint
-from jaxstrategy._src import input_agreement
 
 
 def spec_example() -> tuple[jaxstrategy.MultiWorkerMirroredStrategy, dict[str, Any]]:
@@ -117,9 +116,29 @@ def unequal_inputs(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[st
     return {"steps": steps, "warnings": [str(w.message) for w in caught]}
 
 
-def mismatched_datasets(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+def per_replica_inputs(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """InputReplicationMode.PER_REPLICA: one pipeline per replica, each process its own."""
+    contexts = []
+
+    def dataset_fn(context: jaxstrategy.InputContext) -> list[np.ndarray]:
+        contexts.append([context.num_input_pipelines, context.input_pipeline_id])
+        return [np.full(2, context.input_pipeline_id, np.int32)] * 2
+
+    options = jaxstrategy.InputOptions(experimental_replication_mode="PER_REPLICA")
+    dataset = strategy.distribute_datasets_from_function(dataset_fn, options)
+    parts = [[np.asarray(p).tolist() for p in strategy.experimental_local_results(b)] for b in dataset]
+    return {"contexts": contexts, "parts": parts}
+
+
+def python_numbers(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    value = strategy.experimental_distribute_values_from_function(lambda context: 0.5)
+    (first, *_) = strategy.experimental_local_results(value)
+    return {"dtype": str(first.dtype), "weak_type": bool(value.stacked.weak_type)}
+
+
+def mismatched_datasets() -> dict[str, Any]:
     """Process 1 makes one dataset more than process 0, so the processes wait on different keys."""
-    input_agreement.TIMEOUT_S = 3.0
+    strategy = jaxstrategy.MultiWorkerMirroredStrategy(input_timeout_seconds=3)  # Joins the same job.
     if jax.process_index() == 1:
         strategy.experimental_distribute_dataset([np.zeros(4)])  # Never iterated.
     dataset = strategy.experimental_distribute_dataset([np.zeros(4)] * 2)
@@ -153,7 +172,9 @@ def main(output_dir: Path) -> None:
     results["collectives"] = collectives(strategy)
     results["split_batches"] = split_batches(strategy)
     results["unequal_inputs"] = unequal_inputs(strategy)
-    results["mismatched_datasets"] = mismatched_datasets(strategy)
+    results["per_replica_inputs"] = per_replica_inputs(strategy)
+    results["python_numbers"] = python_numbers(strategy)
+    results["mismatched_datasets"] = mismatched_datasets()
     results["checkpoint"] = save_checkpoint(strategy, output_dir / "checkpoint")
     path = output_dir / f"process-{jax.process_index()}.json"
     path.write_text(json.dumps(results, indent=1))

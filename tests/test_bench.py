@@ -18,7 +18,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py"])
+@pytest.mark.parametrize(
+    "script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py"]
+)
 def test_benchmark_smoke_run(script):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / script), "--quick"],

@@ -98,7 +98,7 @@ def test_an_unset_tf_config_says_what_to_set(monkeypatch):
         ),
         (
             {"cluster": {"worker": "10.0.0.1:2222"}},
-            r"has cluster\['worker'\] = '10.0.0.1:2222'; expected a list",
+            r"has cluster\['worker'\] = '10.0.0.1:2222', which is not a list",
         ),
         (
             {"cluster": {"worker": ["10.0.0.1"]}},
@@ -115,7 +115,7 @@ def test_an_unset_tf_config_says_what_to_set(monkeypatch):
         ({"cluster": {"worker": WORKERS}, "task": []}, r"has a 'task' that is a list, not an object"),
         (
             {"cluster": {"worker": WORKERS}, "task": {"type": "master"}},
-            r"has task type 'master'; expected one of",
+            r"has task type 'master', which is none of",
         ),
         (
             {"cluster": {"worker": WORKERS}, "task": {"type": "worker", "index": 3}},
@@ -123,7 +123,7 @@ def test_an_unset_tf_config_says_what_to_set(monkeypatch):
         ),
         (
             {"cluster": {"worker": WORKERS}, "task": {"type": "worker", "index": "0"}},
-            r"has task index '0'; expected an int",
+            r"has task index '0', which is not an int",
         ),
         ({"cluster": {"worker": WORKERS}, "task": {"type": "chief"}}, r"the cluster lists 0 chief task\(s\)"),
     ],
@@ -131,7 +131,7 @@ def test_an_unset_tf_config_says_what_to_set(monkeypatch):
 def test_a_malformed_tf_config_names_the_part_and_shows_an_example(monkeypatch, config, message):
     with pytest.raises(ValueError, match=message) as info:
         tf_config(monkeypatch, config)
-    assert "Expected JSON such as" in str(info.value)
+    assert "A valid one looks like" in str(info.value)
 
 
 def test_a_ps_task_cannot_run_the_strategy(monkeypatch):

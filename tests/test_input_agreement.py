@@ -6,7 +6,13 @@ agreement stands for the other process, so every outcome is checked quickly.
 
 from __future__ import annotations
 
-from jaxstrategy._src.input_agreement import agreed_steps
+import re
+import threading
+
+import jax
+import pytest
+
+from jaxstrategy._src.input_agreement import StepAgreement, agreed_steps
 from jaxstrategy._src.replica_batches import DroppedBatch
 
 CALLER = "Strategy.distribute_datasets_from_function()"
@@ -72,3 +78,92 @@ def test_a_consumer_that_went_away_ends_the_pass_quietly():
             return None
 
     assert list(agreed_steps(iter(["a"]), Gone(5), cardinality=-2, caller=CALLER)) == []
+
+
+class FakeCoordinationService:
+    """The key-value calls StepAgreement makes, as JAX's coordination service answers them."""
+
+    def __init__(self):
+        self.store: dict[str, str] = {}
+        self.changed = threading.Condition()
+
+    def key_value_increment(self, key, increment):
+        with self.changed:
+            value = int(self.store.get(key, "0")) + increment
+            self.store[key] = str(value)
+            self.changed.notify_all()
+            return value
+
+    def key_value_set(self, key, value):
+        with self.changed:
+            self.store[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.store, timeout=timeout_in_ms / 1000):
+                raise jax.errors.JaxRuntimeError(
+                    f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}"
+                )
+            return self.store[key]
+
+    def key_value_try_get(self, key):
+        return self.store[key]
+
+    def key_value_delete(self, key):
+        with self.changed:
+            self.store.pop(key, None)
+
+
+def agreement(service, *, stop=None, timeout_s=30.0, n=2):
+    return StepAgreement(
+        "ns",
+        stop=stop or threading.Event(),
+        caller=CALLER,
+        timeout_s=timeout_s,
+        client=service,
+        num_processes=n,
+    )
+
+
+def test_two_processes_agree_step_by_step_and_clean_up_after_themselves():
+    service = FakeCoordinationService()
+    first, second = agreement(service), agreement(service)
+    has = {first: [True, True, True], second: [True, True, False]}  # The second one's input ends first.
+    counts: dict[object, list] = {first: [], second: []}
+
+    def take_part(side):
+        for step, has_batch in enumerate(has[side]):
+            counts[side].append(side.count(step, has_batch))
+
+    other = threading.Thread(target=take_part, args=(second,))
+    other.start()
+    take_part(first)
+    other.join(timeout=30)
+    assert counts[first] == counts[second] == [2, 2, 1]
+    assert service.store == {}  # Every step's keys deleted once both had read them.
+
+
+def test_closing_the_iterator_ends_a_wait():
+    stop = threading.Event()
+    alone = agreement(FakeCoordinationService(), stop=stop)
+    threading.Timer(0.2, stop.set).start()
+    assert alone.count(0, True) is None
+
+
+def test_waiting_past_the_timeout_names_the_step_and_how_many_arrived():
+    alone = agreement(FakeCoordinationService(), timeout_s=0.5)
+    with pytest.raises(
+        TimeoutError,
+        match=rf"{re.escape(CALLER)}: process 0 waited 0 s .* step 4 of this dataset's pass, and only 1 of 2 did",
+    ):
+        alone.count(4, True)
+
+
+def test_other_coordination_errors_are_raised():
+    class Broken(FakeCoordinationService):
+        def blocking_key_value_get(self, key, timeout_in_ms):
+            raise jax.errors.JaxRuntimeError("UNAVAILABLE: the coordinator went away")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):
+        agreement(Broken()).count(0, True)

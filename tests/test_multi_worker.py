@@ -88,7 +88,8 @@ def test_an_evaluator_task_is_a_job_of_one(monkeypatch):
     assert strategy.extended.worker_devices[0] == "/job:evaluator/replica:0/task:0/device:CPU:0"
 
 
-def test_a_job_of_several_processes_cannot_start_once_jax_has():
+def test_a_job_of_several_processes_cannot_start_once_jax_has(cpu_devices):
+    # (cpu_devices: JAX has started, whatever ran before this test.)
     resolver = SimpleClusterResolver("127.0.0.1:1", num_processes=2, process_id=1)
     with pytest.raises(
         RuntimeError,
@@ -99,7 +100,7 @@ def test_a_job_of_several_processes_cannot_start_once_jax_has():
     assert not jax.distributed.is_initialized()
 
 
-def test_a_job_jax_detects_is_never_left_for_one_process(monkeypatch):
+def test_a_job_jax_detects_is_never_left_for_one_process(monkeypatch, cpu_devices):
     # What SLURM sets for a task of a two-task job; JAX's own detection finds it.
     for name, value in {
         "SLURM_JOB_ID": "1",
@@ -127,10 +128,15 @@ def test_a_resolver_of_the_wrong_type_is_an_error():
         MultiWorkerMirroredStrategy("127.0.0.1:1")
 
 
-@pytest.mark.parametrize("name", ["initialization_timeout", "heartbeat_timeout_seconds"])
-@pytest.mark.parametrize("value", [0, 2.5, True])
-def test_timeouts_are_whole_seconds(name, value):
-    with pytest.raises(ValueError, match=rf"MultiWorkerMirroredStrategy\({name}={value!r}\): expected whole"):
+@pytest.mark.parametrize(
+    "name", ["initialization_timeout", "heartbeat_timeout_seconds", "input_timeout_seconds"]
+)
+@pytest.mark.parametrize(
+    ("value", "error", "expected"),
+    [(0, ValueError, "1 second or more"), (2.5, TypeError, "an int of seconds"), (True, TypeError, "an int")],
+)
+def test_timeouts_are_whole_seconds(name, value, error, expected):
+    with pytest.raises(error, match=rf"MultiWorkerMirroredStrategy\({name}={value!r}\): expected {expected}"):
         MultiWorkerMirroredStrategy(**{name: value})
 
 
@@ -138,7 +144,45 @@ def test_counting_accelerators_before_joining_is_an_error():
     resolver = SimpleClusterResolver("127.0.0.1:1", num_processes=2, process_id=0)
     with pytest.raises(RuntimeError, match=r"num_accelerators\(\): this is process 0 of 2, and JAX's"):
         resolver.num_accelerators()
-    assert jaxstrategy.TFConfigClusterResolver is not None  # Exported alongside.
+
+
+class Incomplete(jaxstrategy.ClusterResolver):
+    def __init__(self, **facts):
+        self.__dict__.update(facts)
+
+
+@pytest.mark.parametrize(
+    ("facts", "error", "message"),
+    [
+        (
+            {"num_processes": 1, "process_id": 0},
+            TypeError,
+            r"Incomplete has no attribute 'coordinator_address'",
+        ),
+        (
+            {"coordinator_address": None, "num_processes": "2", "process_id": 0},
+            TypeError,
+            r"Incomplete\(num_processes='2'\): expected an int",
+        ),
+        (
+            {"coordinator_address": "h", "num_processes": 2, "process_id": 1},
+            ValueError,
+            r"Incomplete\(coordinator_address='h'\): it has no port",
+        ),
+    ],
+)
+def test_a_resolver_of_ones_own_is_checked_before_joining(facts, error, message):
+    with pytest.raises(error, match=rf"MultiWorkerMirroredStrategy\(\): {message}"):
+        MultiWorkerMirroredStrategy(Incomplete(**facts))
+
+
+def test_a_mesh_without_this_process_s_devices_is_an_error(monkeypatch, cpu_devices):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # As if every device were another process's.
+    with pytest.raises(
+        jaxstrategy.InvalidDeviceError,
+        match=r"MirroredStrategy: this process \(process 1\) must hold one or more consecutive replicas",
+    ):
+        jaxstrategy.MirroredStrategy()
 
 
 # --- two processes -------------------------------------------------------------------------
@@ -213,6 +257,19 @@ def test_unequal_inputs_end_every_process_at_the_same_step_with_a_warning(scenar
     assert re.match(f"MultiWorkerMirroredStrategy.{prefix}", short)
     assert "this process's input is one of those that ended" in short
     assert "this process leaves 2 batch(es) unread" in long
+
+
+def test_per_replica_pipelines_feed_this_process_s_replicas(scenarios):
+    seen, _ = scenarios
+    for index, process in enumerate(seen):
+        mine = [2 * index, 2 * index + 1]
+        assert process["per_replica_inputs"]["contexts"] == [[4, i] for i in mine]
+        assert process["per_replica_inputs"]["parts"] == [[[i, i] for i in mine]] * 2
+
+
+def test_python_numbers_across_processes_are_strongly_typed(scenarios):
+    seen, _ = scenarios
+    assert [process["python_numbers"] for process in seen] == [{"dtype": "float32", "weak_type": False}] * 2
 
 
 def test_datasets_made_in_different_orders_time_out_with_a_clear_error(scenarios):

@@ -135,11 +135,12 @@ def test_tensorflow_signatures_are_kept():
     assert parameters(strategy.gather) == [("self", empty), ("value", empty), ("axis", empty)]
     assert parameters(strategy) == [("device", None), ("soft_placement", False)]
     assert parameters(jaxstrategy.MirroredStrategy) == [("devices", None), ("cross_device_ops", None)]
-    # TensorFlow's one argument, then JAX's start-up timeouts (keyword-only).
+    # TensorFlow's one argument, then JAX's start-up timeouts and the input's (keyword-only).
     assert parameters(jaxstrategy.MultiWorkerMirroredStrategy) == [
         ("cluster_resolver", None),
         ("initialization_timeout", 300),
         ("heartbeat_timeout_seconds", 100),
+        ("input_timeout_seconds", 3600),
     ]
 
 

@@ -122,34 +122,53 @@ class SimpleClusterResolver(ClusterResolver):
     """
 
     def __init__(self, coordinator_address: str | None, num_processes: int, process_id: int):
-        caller = "SimpleClusterResolver"
-        for name, value in (("num_processes", num_processes), ("process_id", process_id)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{caller}({name}={value!r}): expected an int.")
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(
-                f"{caller}(num_processes={num_processes}, process_id={process_id}): expected "
-                "num_processes >= 1 and 0 <= process_id < num_processes."
-            )
-        if coordinator_address is None:
-            if num_processes > 1:
-                raise ValueError(
-                    f"{caller}(coordinator_address=None, num_processes={num_processes}): a job of "
-                    "several processes needs the coordinator's 'host:port' (process 0's host, and a "
-                    "free port there)."
-                )
-        else:
-            problem = address_problem(coordinator_address)
-            if problem:
-                raise ValueError(
-                    f"{caller}(coordinator_address={coordinator_address!r}): {problem}; expected "
-                    "'host:port', such as '10.0.0.1:1234'."
-                )
         self.coordinator_address = coordinator_address
         self.num_processes = num_processes
         self.process_id = process_id
         self.task_type = "worker"
         self.task_id = process_id
+        check_job(self, caller="SimpleClusterResolver")
+
+
+def check_job(resolver: ClusterResolver, *, caller: str) -> None:
+    """Raise unless `resolver`'s three facts describe a job JAX can start.
+
+    Raises:
+      TypeError: a fact is missing, or a count is not an int.
+      ValueError: a count is out of range, or the coordinator's address is not `host:port`.
+    """
+    facts = {}
+    for name in ("coordinator_address", "num_processes", "process_id"):
+        if not hasattr(resolver, name):
+            raise TypeError(
+                f"{caller} has no attribute {name!r}: a ClusterResolver sets coordinator_address, "
+                "num_processes, process_id, task_type and task_id in its constructor."
+            )
+        facts[name] = getattr(resolver, name)
+    address, num_processes, process_id = facts.values()
+    for name in ("num_processes", "process_id"):
+        value = facts[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{caller}({name}={value!r}): expected an int.")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"{caller}(num_processes={num_processes}, process_id={process_id}): expected "
+            "num_processes >= 1 and 0 <= process_id < num_processes."
+        )
+    if address is None:
+        if num_processes > 1:
+            raise ValueError(
+                f"{caller}(coordinator_address=None, num_processes={num_processes}): a job of "
+                "several processes needs the coordinator's 'host:port' (process 0's host, and a "
+                "free port there)."
+            )
+        return
+    problem = address_problem(address)
+    if problem:
+        raise ValueError(
+            f"{caller}(coordinator_address={address!r}): {problem}; expected 'host:port', such as "
+            "'10.0.0.1:1234'."
+        )
 
 
 class ThisProcessResolver(ClusterResolver):
@@ -193,6 +212,10 @@ class TFConfigClusterResolver(ClusterResolver):
     """
 
     def __init__(self, task_type: str | None = None, task_id: int | None = None):
+        if task_type is not None and not isinstance(task_type, str):
+            raise TypeError(f"TFConfigClusterResolver(task_type={task_type!r}): expected a str or None.")
+        if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, int)):
+            raise TypeError(f"TFConfigClusterResolver(task_id={task_id!r}): expected an int or None.")
         config = _parse_tf_config(os.environ.get("TF_CONFIG"))
         self._cluster = _parse_cluster(config.get("cluster"))
         task = config.get("task", {})
@@ -222,7 +245,7 @@ def address_problem(address: Any) -> str | None:
 
 
 def _tf_config_error(problem: str) -> ValueError:
-    return ValueError(f"TF_CONFIG {problem}. Expected JSON such as {_TF_CONFIG_EXAMPLE}.")
+    return ValueError(f"TF_CONFIG {problem}. A valid one looks like {_TF_CONFIG_EXAMPLE}.")
 
 
 def _parse_tf_config(text: str | None) -> dict[str, Any]:
@@ -252,7 +275,9 @@ def _parse_cluster(cluster: Any) -> dict[str, list[str]]:
     seen: dict[str, str] = {}
     for job, addresses in cluster.items():
         if not isinstance(addresses, list) or not addresses:
-            raise _tf_config_error(f"has cluster[{job!r}] = {addresses!r}; expected a list of 'host:port'")
+            raise _tf_config_error(
+                f"has cluster[{job!r}] = {addresses!r}, which is not a list of 'host:port'"
+            )
         for i, address in enumerate(addresses):
             problem = address_problem(address)
             if problem:
@@ -273,7 +298,7 @@ def _parse_cluster(cluster: Any) -> dict[str, list[str]]:
 def _place_task(cluster: dict[str, list[str]], task_type: Any, task_id: Any) -> tuple[int, int]:
     """This task's process id, and the number of processes it trains with."""
     if isinstance(task_id, bool) or not isinstance(task_id, int):
-        raise _tf_config_error(f"has task index {task_id!r}; expected an int")
+        raise _tf_config_error(f"has task index {task_id!r}, which is not an int")
     if task_type == "evaluator":
         return 0, 1  # An evaluator trains with no one: a job of one process, as in TensorFlow.
     if task_type == "ps":
@@ -284,7 +309,7 @@ def _place_task(cluster: dict[str, list[str]], task_type: Any, task_id: Any) -> 
         )
     if task_type not in _TRAINING_JOBS:
         raise _tf_config_error(
-            f"has task type {task_type!r}; expected one of {list(_TRAINING_JOBS)} (or 'evaluator')"
+            f"has task type {task_type!r}, which is none of {list(_TRAINING_JOBS)} (or 'evaluator')"
         )
     tasks = cluster.get(task_type, [])
     if not 0 <= task_id < len(tasks):

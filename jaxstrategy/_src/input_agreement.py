@@ -15,7 +15,13 @@ atomic increment per process, and one blocking read for all but the last to arri
 - the last to arrive publishes how many have a batch, and deletes the previous step's keys
   (every process has read them: each read them before arriving here);
 - the others wait for that result, a second at a time so that closing the iterator ends the
-  wait, and give up with an error after `timeout_s`.
+  wait, and give up with an error after `timeout_s`;
+- at the step that ends the pass, each process counts itself out once it has the result, and
+  the last one deletes the step's keys.
+
+A process that dies is not waited for here: JAX's heartbeat ends every other process. The
+timeout catches processes that, all alive, wait on different keys: datasets created or iterated
+in different orders.
 """
 
 from __future__ import annotations
@@ -33,25 +39,17 @@ from jaxstrategy._src.replica_batches import DroppedBatch
 T = TypeVar("T")
 
 _POLL_MS = 1000
-# How long a process waits for the others to reach the same step of a pass before giving up. The
-# processes' input threads run at most a few batches apart unless one process stalls for long (a
-# slow checkpoint on the chief), so this is generous; it ends waits that can never succeed.
-TIMEOUT_S = 1800.0
 _dataset_serials = itertools.count()
 
 
 def coordination_client() -> Any:
-    """JAX's client of its coordination service (private to JAX; orbax and JAX's own
-    `multihost_utils` use it the same way)."""
+    """JAX's client of its coordination service, which runs wherever a mesh spans processes.
+
+    It is private to JAX; orbax and JAX's own `multihost_utils` reach it the same way.
+    """
     from jax._src import distributed
 
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError(
-            "JAX's distributed runtime is not running, so processes cannot agree where their "
-            "input ends. Create the MultiWorkerMirroredStrategy before distributing datasets."
-        )
-    return client
+    return distributed.global_state.client
 
 
 def new_dataset_namespace() -> str:
@@ -68,15 +66,26 @@ class StepAgreement:
       stop: set when the consumer is gone; ends a wait early.
       caller: the call to name in messages.
       timeout_s: how long to wait for the other processes at one step.
+      client: the coordination service's client (JAX's when None).
+      num_processes: how many processes agree (JAX's process count when None).
     """
 
-    def __init__(self, namespace: str, *, stop: threading.Event, caller: str, timeout_s: float | None = None):
-        self._client = coordination_client()
-        self._num_processes = jax.process_count()
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        stop: threading.Event,
+        caller: str,
+        timeout_s: float,
+        client: Any = None,
+        num_processes: int | None = None,
+    ):
+        self._client = coordination_client() if client is None else client
+        self._num_processes = jax.process_count() if num_processes is None else num_processes
         self._namespace = namespace
         self._stop = stop
         self._caller = caller
-        self._timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
+        self._timeout_s = timeout_s
 
     @property
     def num_processes(self) -> int:
@@ -95,11 +104,17 @@ class StepAgreement:
         if arrived == n:
             self._client.key_value_set(f"{key}/result", str(with_batch))
             if step:
-                previous = f"{self._namespace}/{step - 1}"
-                self._client.key_value_delete(f"{previous}/count")
-                self._client.key_value_delete(f"{previous}/result")
-            return with_batch
-        return self._wait_for_result(key, step)
+                self._delete(step - 1)
+        else:
+            with_batch = self._wait_for_result(key, step)
+        if with_batch is not None and with_batch < n:  # The pass ends here: the last one out cleans up.
+            if self._client.key_value_increment(f"{key}/done", 1) == n:
+                self._delete(step)
+        return with_batch
+
+    def _delete(self, step: int) -> None:
+        for name in ("count", "result", "done"):
+            self._client.key_value_delete(f"{self._namespace}/{step}/{name}")
 
     def _wait_for_result(self, key: str, step: int) -> int | None:
         deadline = time.monotonic() + self._timeout_s

@@ -71,12 +71,14 @@ class ReplicaLayout:
       local_replicas: the ids of this process's replicas, consecutive; None means all. When
         some replicas belong to other processes, each process places only its own replicas'
         parts, and the processes' inputs end together (see `input_agreement.py`).
+      input_timeout_s: then, how long a process's input waits for the others' at one step.
     """
 
     sharding: jax.sharding.Sharding
     num_replicas: int = 1
     stacked: bool = False
     local_replicas: range | None = None
+    input_timeout_s: float = 3600.0
 
     @property
     def local_replica_ids(self) -> range:
@@ -279,6 +281,7 @@ class DistributedDataset:
         self._caller = caller
         # Where processes read their own inputs, they agree batch by batch where a pass ends.
         self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
+        self._input_timeout_s = layout.input_timeout_s
         self._passes_started = 0
         self._next_pass: DistributedIterator | None = None
         self._batches = _BatchTracker(layout.sharding if on_device else None)
@@ -301,7 +304,9 @@ class DistributedDataset:
         stopped = threading.Event()
         if self._agreement_namespace is not None:
             namespace = f"{self._agreement_namespace}/{self._passes_started}"
-            agreement = StepAgreement(namespace, stop=stopped, caller=self._caller)
+            agreement = StepAgreement(
+                namespace, stop=stopped, caller=self._caller, timeout_s=self._input_timeout_s
+            )
             batches = agreed_steps(batches, agreement, cardinality=self._cardinality, caller=self._caller)
         prefetch = PrefetchIterator(
             batches, self._placer, self._options.experimental_per_replica_buffer_size, stopped=stopped

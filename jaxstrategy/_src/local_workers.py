@@ -44,10 +44,12 @@ def worker_environment(
 ) -> dict[str, str]:
     """The environment of one worker: TF_CONFIG, and JAX on the CPU with that many devices."""
     environment = dict(os.environ if env is None else env)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", environment.get("XLA_FLAGS", ""))
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S*", "", environment.get("XLA_FLAGS", "")
+    ).split()
     environment.update(
         TF_CONFIG=json.dumps(tf_config),
-        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_worker}".strip(),
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_worker}"]),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",  # All of a killed worker's output reaches the file.
     )
@@ -69,7 +71,21 @@ class LocalWorkers:
         addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
         self._outputs: list[tuple[IO[str], IO[str]]] = []
         self.processes: list[subprocess.Popen[str]] = []
-        for index in range(num_workers):
+        try:
+            self._start(args, addresses, devices_per_worker, env, cwd)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _start(
+        self,
+        args: Sequence[str],
+        addresses: list[str],
+        devices_per_worker: int,
+        env: Mapping[str, str] | None,
+        cwd: str | os.PathLike[str] | None,
+    ) -> None:
+        for index in range(len(addresses)):
             tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
             stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             self._outputs.append((stdout, stderr))
@@ -103,7 +119,16 @@ class LocalWorkers:
                 f"The {len(results)} local workers did not all end within {timeout:.0f} s, and were "
                 f"killed. Their output:\n{describe_results(results)}"
             ) from None
+        except BaseException:  # Ctrl-C, say: no worker outlives the wait.
+            self._abandon()
+            raise
         return self._results()
+
+    def _abandon(self) -> None:
+        self.kill()
+        for stdout, stderr in self._outputs:
+            stdout.close()
+            stderr.close()
 
     def kill(self) -> None:
         """Kill every process still running (and its children), and reap it."""

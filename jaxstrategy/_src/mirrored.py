@@ -65,10 +65,15 @@ class MeshStrategy(Strategy):
 
     def __init__(self, devices: tuple[jax.Device, ...]):
         self._devices = devices
-        self._local_devices = tuple(d for d in devices if d.process_index == jax.process_index())
-        self._local_replica_ids = range(
-            devices.index(self._local_devices[0]), devices.index(self._local_devices[-1]) + 1
-        )
+        local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        if not local or local != list(range(local[0], local[-1] + 1)):
+            raise InvalidDeviceError(
+                f"{type(self).__name__}: this process (process {jax.process_index()}) must hold one "
+                f"or more consecutive replicas of {devices!r}, since each process feeds its own "
+                "replicas. Order the devices process by process, and include this process's."
+            )
+        self._local_replica_ids = range(local[0], local[-1] + 1)
+        self._local_devices = tuple(devices[i] for i in local)
         self._mesh = jax.sharding.Mesh(np.array(devices), (REPLICA_AXIS,))
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
         self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
@@ -80,6 +85,12 @@ class MeshStrategy(Strategy):
     def devices(self) -> tuple[jax.Device, ...]:
         """The devices, one per replica, in replica order."""
         return self._devices
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._devices == self._devices
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._devices))
 
     @property
     def sharding(self) -> NamedSharding:
@@ -181,8 +192,10 @@ class MeshStrategy(Strategy):
         Each replica's component is placed on its own device. Array leaves must have the same
         shape and dtype on every replica (one program runs on all of them); a leaf that is not an
         array must be equal on every replica and is returned as it is. With several processes,
-        each process calls `value_fn` for its own replicas only (with their global replica ids),
-        and Python numbers become arrays of JAX's default dtypes rather than weakly typed ones.
+        each process calls `value_fn` for its own replicas only (with their global replica ids)
+        and can compare only their results, so results must agree across processes by
+        construction; Python numbers become arrays of JAX's default dtypes there, rather than
+        weakly typed ones.
 
         Raises:
           TypeError: `value_fn` is not callable; a leaf that is not an array differs between
@@ -413,12 +426,6 @@ class MirroredStrategy(MeshStrategy):
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={self._devices!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MirroredStrategy) and other._devices == self._devices
-
-    def __hash__(self) -> int:
-        return hash((MirroredStrategy, self._devices))
 
 
 def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, ...]:

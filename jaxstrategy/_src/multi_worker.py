@@ -26,8 +26,10 @@ from jaxstrategy._src.cluster_resolver import (
     SimpleClusterResolver,
     TFConfigClusterResolver,
     ThisProcessResolver,
+    check_job,
 )
 from jaxstrategy._src.device_spec import canonical_name
+from jaxstrategy._src.input_lib import ReplicaLayout
 from jaxstrategy._src.mirrored import MeshStrategy
 from jaxstrategy._src.strategy import StrategyExtended
 
@@ -64,10 +66,15 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         after that (and after `heartbeat_timeout_seconds` more), with a message on stderr.
       heartbeat_timeout_seconds: seconds after which a process that stopped responding (it
         crashed, or was killed) counts as dead; JAX then ends every other process.
+      input_timeout_seconds: seconds a process's distributed dataset waits for the other
+        processes' at one step before it raises a `TimeoutError`: they wait forever when
+        processes create or iterate datasets in different orders. Raise it if one process may
+        pause for longer (say, the chief evaluating alone) while the others prefetch.
 
     Raises:
-      TypeError: `cluster_resolver` is not a `ClusterResolver`.
-      ValueError: `TF_CONFIG` is malformed, or this process's runtime already runs another job.
+      TypeError: `cluster_resolver` is not a `ClusterResolver`; a timeout is not an int.
+      ValueError: `TF_CONFIG` or the resolver's facts are malformed; this process's runtime
+        already runs another job; a timeout is below 1.
       RuntimeError: JAX already started in this process, so it can no longer join a job of
         several processes.
 
@@ -88,15 +95,18 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         *,
         initialization_timeout: int = 300,
         heartbeat_timeout_seconds: int = 100,
+        input_timeout_seconds: int = 3600,
     ):
         for name, value in (
             ("initialization_timeout", initialization_timeout),
             ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+            ("input_timeout_seconds", input_timeout_seconds),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"MultiWorkerMirroredStrategy({name}={value!r}): expected whole seconds >= 1."
-                )
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MultiWorkerMirroredStrategy({name}={value!r}): expected an int of seconds.")
+            if value < 1:
+                raise ValueError(f"MultiWorkerMirroredStrategy({name}={value!r}): expected 1 second or more.")
+        self._input_timeout_s = float(input_timeout_seconds)
         self._cluster_resolver = join_cluster(
             cluster_resolver,
             initialization_timeout=initialization_timeout,
@@ -135,15 +145,13 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MultiWorkerMirroredStrategy) and other._devices == self._devices
-
-    def __hash__(self) -> int:
-        return hash((MultiWorkerMirroredStrategy, self._devices))
-
     @property
     def _input_pipeline(self) -> tuple[int, int]:
         return jax.process_count(), jax.process_index()
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        return dataclasses.replace(super()._batch_layout, input_timeout_s=self._input_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +171,14 @@ def join_cluster(
     if not isinstance(resolver, ClusterResolver):
         raise TypeError(
             f"MultiWorkerMirroredStrategy(cluster_resolver={resolver!r}): expected a "
-            "jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver, or None."
+            "jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver (or another "
+            "ClusterResolver), or None."
         )
+    check_job(resolver, caller=f"{_CALLER}: {type(resolver).__name__}")
     if jax.distributed.is_initialized():
         _require_running_job(resolver)
     elif resolver.num_processes > 1:
-        _start_runtime(resolver.coordinator_address, resolver.num_processes, resolver.process_id, timeouts)
+        _start_runtime(resolver, timeouts)
     return resolver
 
 
@@ -184,7 +194,7 @@ def _default_job(timeouts: _Timeouts) -> ClusterResolver:
         detected = _detected_cluster()
         if detected is None:
             return ThisProcessResolver()
-        _start_runtime(None, None, None, timeouts, detected=detected)
+        _start_runtime(None, timeouts, detected=detected)
     from jax._src import distributed  # Where JAX keeps the coordinator's address.
 
     return SimpleClusterResolver(
@@ -221,49 +231,63 @@ def _require_running_job(resolver: ClusterResolver) -> None:
         )
 
 
+def _backend_started() -> bool:
+    """Whether JAX's backend runs in this process (it then cannot join a job). JAX's own check,
+    private to it, which `jax.distributed.initialize` makes first thing."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
 def _start_runtime(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    timeouts: _Timeouts,
-    *,
-    detected: str | None = None,
+    resolver: ClusterResolver | None, timeouts: _Timeouts, *, detected: str | None = None
 ) -> None:
-    if detected is None:
-        job = f"process {process_id} of {num_processes}, coordinator {coordinator_address}"
+    """`jax.distributed.initialize` for `resolver`'s job, or for the one JAX `detected` when None."""
+    if resolver is not None:
+        job = f"process {resolver.process_id} of {resolver.num_processes}"
+        job += f", coordinator {resolver.coordinator_address}"
+        where = f"the {type(resolver).__name__}'s job description"
     else:
-        job = f"the {detected} job JAX detected"
-    started = threading.Event()
-    watchdog = threading.Thread(
-        target=_report_if_stuck,
-        args=(started, timeouts.initialization_timeout, job),
-        name="jaxstrategy-join-watchdog",
-        daemon=True,
-    )
-    watchdog.start()
-    try:
-        jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
-            initialization_timeout=timeouts.initialization_timeout,
-            heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
-        )
-    except RuntimeError as error:
-        # JAX raises this before connecting when its backend is already in use in this process.
+        job, where = f"the {detected} job JAX detected", f"the {detected} job's settings"
+    if _backend_started():
         raise RuntimeError(
             f"{_CALLER}: cannot join {job}: JAX has already started in this process (something "
             "created an array or asked for devices), and a running JAX cannot join a job of several "
             "processes. Create the strategy first thing in the program, before any other JAX call. "
             "To train in this process alone, use MirroredStrategy or pass "
-            f"SimpleClusterResolver(None, num_processes=1, process_id=0). (JAX said: {error})"
-        ) from error
+            "SimpleClusterResolver(None, num_processes=1, process_id=0)."
+        )
+    started = threading.Event()
+    watchdog = threading.Thread(
+        target=_report_if_stuck,
+        args=(started, timeouts.initialization_timeout, job, where),
+        name="jaxstrategy-join-watchdog",
+        daemon=True,
+    )
+    watchdog.start()
+    try:
+        if resolver is None:  # JAX detects the job, as `jax.distributed.initialize()` does.
+            jax.distributed.initialize(
+                initialization_timeout=timeouts.initialization_timeout,
+                heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
+            )
+        else:
+            # Detection off: the resolver gave every fact, and detection would also restrict each
+            # process to one device under SLURM (its SLURM_LOCALID's).
+            jax.distributed.initialize(
+                resolver.coordinator_address,
+                resolver.num_processes,
+                resolver.process_id,
+                cluster_detection_method="deactivate",
+                initialization_timeout=timeouts.initialization_timeout,
+                heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
+            )
     finally:
         started.set()
         watchdog.join()
 
 
-def _report_if_stuck(started: threading.Event, timeout_s: int, job: str) -> None:
+def _report_if_stuck(started: threading.Event, timeout_s: int, job: str, where: str) -> None:
     """Write what to check to stderr if joining takes longer than its timeout: JAX then ends the
     process from C++, with a message that blames a crashed task."""
     if started.wait(timeout_s):
@@ -271,8 +295,8 @@ def _report_if_stuck(started: threading.Event, timeout_s: int, job: str) -> None
     sys.stderr.write(
         f"\njaxstrategy: {_CALLER} could not join {job} within initialization_timeout="
         f"{timeout_s} s: the coordinator could not be reached, or not every process of the job has "
-        "started. JAX will now end this process. Check that every process started with the same "
-        "cluster (TF_CONFIG), that the coordinator's host and port are right and reachable from "
-        "here, and that the port is free on the coordinator's host.\n"
+        f"started. JAX will now end this process. Check that every process started with the same "
+        f"job ({where}), that the coordinator's host and port are right and reachable from here, "
+        "and that the port is free on the coordinator's host.\n"
     )
     sys.stderr.flush()

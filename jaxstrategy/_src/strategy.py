@@ -345,7 +345,8 @@ class Strategy(abc.ABC):
         first axis with one sharded `device_put` and arrives as a `PerReplica`, one slice per
         replica; a batch the replicas do not divide is a `ValueError` when it is reached, unless
         `options.partial_batch` is `"drop"` (skip it, with a warning) or `"pad"` (pad it and
-        yield `(batch, mask)` pairs).
+        yield `(batch, mask)` pairs). On `MultiWorkerMirroredStrategy` every process reads the
+        same source and keeps its own replicas' parts of each global batch.
 
         Args:
           dataset: the source of batches.
