@@ -1,27 +1,28 @@
 """Train one model with every process of a multi-worker job: MultiWorkerMirroredStrategy.
 
-Every process runs this same script. The strategy finds the job (here from `TF_CONFIG`), joins
+Every process runs this same script. The strategy finds the job (from `TF_CONFIG`, from JAX's
+detection of a SLURM job, or from `--coordinator`, `--num-processes` and `--process-id`), joins
 it, and trains a flax nnx MLP with optax on all the processes' devices as one program: each
 process reads its own shard of every global batch through `distribute_datasets_from_function`,
-gradients are averaged over all replicas, and the chief (process 0) prints the losses and saves
-the final checkpoint, which every process writes its part of.
+gradients are averaged over all replicas, and the chief (process 0) prints the losses. With
+`--checkpoint-dir` (a directory every process sees), every process takes part in saving the
+final state: each writes the parts of the arrays it holds.
 
 The data is synthetic (a random teacher labels Gaussian inputs), so nothing is downloaded, and
 every global batch is the same whatever the number of processes and devices: with
 `--strategy one-device` the same script trains on one device, on the same batches, and prints
 the same losses.
 
-Two processes on this machine, two CPU devices each (four replicas); the first runs in the
-background:
+Two processes on this machine, two CPU devices each (four replicas):
 
-    export XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu
-    TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:12345", "127.0.0.1:12346"]},
-                "task": {"type": "worker", "index": 0}}' python examples/multi_worker.py &
-    TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:12345", "127.0.0.1:12346"]},
-                "task": {"type": "worker", "index": 1}}' python examples/multi_worker.py
+    CLUSTER='"cluster": {"worker": ["127.0.0.1:12345", "127.0.0.1:12346"]}'
+    for i in 0 1; do
+      env XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+        TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": $i}}" \
+        python examples/multi_worker.py &
+    done; wait
 
-On a cluster, each host runs the script with its own `TF_CONFIG` (or, under SLURM, without one:
-JAX detects the job).
+The README shows the commands for hosts with GPUs, with `TF_CONFIG` and under SLURM.
 """
 
 from __future__ import annotations
@@ -93,14 +94,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=("multi-worker", "one-device"), default="multi-worker")
     parser.add_argument("--steps", type=int, default=50, help="training steps")
     parser.add_argument("--global-batch-size", type=int, default=64, help="examples per step, all replicas")
-    parser.add_argument("--checkpoint-dir", type=Path, help="where the chief saves the final state")
-    return parser.parse_args(argv)
+    parser.add_argument("--checkpoint-dir", type=Path, help="where to save the final state (seen by all)")
+    job = parser.add_argument_group("the job, where neither TF_CONFIG nor JAX's detection gives it")
+    job.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's host and a free port there")
+    job.add_argument("--num-processes", type=int, help="how many processes")
+    job.add_argument("--process-id", type=int, help="this process's index, from 0")
+    args = parser.parse_args(argv)
+    given = [args.coordinator, args.num_processes, args.process_id]
+    if any(x is not None for x in given) and None in given:
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.strategy == "multi-worker":
-        strategy: jaxstrategy.Strategy = jaxstrategy.MultiWorkerMirroredStrategy()  # First: joins the job.
+        resolver = None  # TF_CONFIG, or a job JAX detects.
+        if args.coordinator is not None:
+            resolver = jaxstrategy.SimpleClusterResolver(
+                args.coordinator, args.num_processes, args.process_id
+            )
+        # First, before any other JAX call: joins the job.
+        strategy: jaxstrategy.Strategy = jaxstrategy.MultiWorkerMirroredStrategy(resolver)
     else:
         strategy = jaxstrategy.OneDeviceStrategy()
     chief = strategy.extended.should_save_summary
@@ -118,10 +133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if chief:
             print(f"step {step}: loss {float(loss):.6f}")
     if args.checkpoint_dir is not None:
-        # Every process takes part: each writes the parts of the arrays it holds.
+        # Every process takes part (each writes the parts of the arrays it holds); gating this on
+        # `should_checkpoint` would leave the chief waiting for the others.
         saved = checkpoint.save(args.checkpoint_dir, {"model": state, "optimizer": opt_state})
         if chief:
-            print(f"saved step {saved} in {args.checkpoint_dir}")
+            print(f"saved the final state as checkpoint {saved} in {args.checkpoint_dir}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def test_an_evaluator_task_is_a_job_of_one(monkeypatch):
     assert strategy.cluster_resolver.task_type == "evaluator"
     assert strategy.cluster_resolver.num_processes == 1 and strategy.num_replicas_in_sync == 4
     assert strategy.extended.worker_devices[0] == "/job:evaluator/replica:0/task:0/device:CPU:0"
+    assert (strategy.extended.should_checkpoint, strategy.extended.should_save_summary) == (False, False)
 
 
 def test_a_job_of_several_processes_cannot_start_once_jax_has(cpu_devices):

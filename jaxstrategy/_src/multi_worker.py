@@ -62,8 +62,8 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
     Args:
       cluster_resolver: a `TFConfigClusterResolver`, a `SimpleClusterResolver`, or None (see
         above).
-      initialization_timeout: seconds to wait for every process to join; JAX ends the process
-        after that (and after `heartbeat_timeout_seconds` more), with a message on stderr.
+      initialization_timeout: seconds to wait for every process to join; then a message on
+        stderr says what to check, and JAX ends the process soon after.
       heartbeat_timeout_seconds: seconds after which a process that stopped responding (it
         crashed, or was killed) counts as dead; JAX then ends every other process.
       input_timeout_seconds: seconds a process's distributed dataset waits for the other
@@ -126,14 +126,15 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         """TensorFlow's facts: this process's devices, and whether it is the chief.
 
         `worker_devices` are this process's devices, named in its job and task as TensorFlow
-        names them. Only the chief (process 0) should save checkpoints and summaries; with
-        several processes, each runs its own copy of the program (`experimental_between_graph`).
+        names them. Only the chief (process 0, never an evaluator) should write what one process
+        writes (logs, summaries); with several processes, each runs its own copy of the program
+        (`experimental_between_graph`). Every process must still call `checkpoint.save`.
         """
         resolver = self._cluster_resolver
         job = resolver.task_type or "localhost"
         task = resolver.task_id if resolver.task_id is not None else resolver.process_id
         names = tuple(canonical_name(d, job=job, task=task) for d in self._local_devices)
-        is_chief = resolver.process_id == 0
+        is_chief = resolver.process_id == 0 and resolver.task_type != "evaluator"
         return StrategyExtended(
             worker_devices=names,
             parameter_devices=names,
