@@ -118,6 +118,12 @@ def test_a_job_jax_detects_is_never_left_for_one_process(monkeypatch, cpu_device
         MultiWorkerMirroredStrategy()
 
 
+def test_a_kubernetes_pod_without_its_client_library_trains_alone_without_a_warning(monkeypatch):
+    # JAX's Kubernetes check warns, then detects nothing, as jax.distributed.initialize() would.
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert MultiWorkerMirroredStrategy().cluster_resolver.num_processes == 1
+
+
 def test_a_malformed_tf_config_is_an_error(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1"]}')
     with pytest.raises(ValueError, match=r"TF_CONFIG is not valid JSON"):

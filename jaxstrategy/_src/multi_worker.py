@@ -18,6 +18,7 @@ import dataclasses
 import os
 import sys
 import threading
+import warnings
 
 import jax
 
@@ -216,7 +217,12 @@ def _detected_cluster() -> str | None:
     except (ImportError, AttributeError):
         return None
     for environment in environments:
-        if not environment.opt_in_only_method and environment.is_env_present():
+        with warnings.catch_warnings():
+            # Kubernetes' check warns when its client library is missing; it then detects
+            # nothing, as `jax.distributed.initialize()` would, and every pod trains alone.
+            warnings.simplefilter("ignore")
+            present = not environment.opt_in_only_method and environment.is_env_present()
+        if present:
             return str(environment.__name__)
     return None
 
