@@ -109,9 +109,7 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
                 raise ValueError(f"MultiWorkerMirroredStrategy({name}={value!r}): expected 1 second or more.")
         self._input_timeout_s = float(input_timeout_seconds)
         self._cluster_resolver = join_cluster(
-            cluster_resolver,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            cluster_resolver, _Timeouts(initialization_timeout, heartbeat_timeout_seconds)
         )
         # Process by process, so that each process's replicas are consecutive.
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
@@ -162,12 +160,9 @@ class _Timeouts:
     heartbeat_timeout_seconds: int
 
 
-def join_cluster(
-    resolver: ClusterResolver | None, *, initialization_timeout: int, heartbeat_timeout_seconds: int
-) -> ClusterResolver:
+def join_cluster(resolver: ClusterResolver | None, timeouts: _Timeouts) -> ClusterResolver:
     """Start JAX's distributed runtime for the job `resolver` describes (found when None), unless
     it runs already; return the resolver of the job this process is in."""
-    timeouts = _Timeouts(initialization_timeout, heartbeat_timeout_seconds)
     if resolver is None:
         return _default_job(timeouts)
     if not isinstance(resolver, ClusterResolver):
@@ -187,11 +182,7 @@ def join_cluster(
 def _default_job(timeouts: _Timeouts) -> ClusterResolver:
     """TF_CONFIG, else the runtime already running, else JAX's detection, else this process alone."""
     if os.environ.get("TF_CONFIG"):
-        return join_cluster(
-            TFConfigClusterResolver(),
-            initialization_timeout=timeouts.initialization_timeout,
-            heartbeat_timeout_seconds=timeouts.heartbeat_timeout_seconds,
-        )
+        return join_cluster(TFConfigClusterResolver(), timeouts)
     if not jax.distributed.is_initialized():
         detected = _detected_cluster()
         if detected is None:
