@@ -34,8 +34,8 @@ from jaxstrategy._src.strategy import Strategy as Strategy
 
 __version__ = "0.1.0"
 
-# Submodules with heavy imports load on first use: orbax alone takes seconds to import.
-_LAZY_SUBMODULES = ("checkpoint", "testing")
+# Submodules load on first use: orbax alone takes seconds to import.
+_LAZY_SUBMODULES = ("checkpoint", "nn", "testing")
 
 
 def __getattr__(name: str) -> object:

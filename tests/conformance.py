@@ -16,7 +16,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from training_reference import OPTIMIZERS, reference_training, strategy_training, training_batches
 
 import jaxstrategy
 from jaxstrategy import ReduceOp
@@ -30,6 +32,12 @@ def _double(x):
 def local_replica_ids(strategy) -> list[int]:
     """The ids of the replicas whose devices belong to this process: all, with one process."""
     return [i for i, d in enumerate(strategy.devices) if d.process_index == jax.process_index()]
+
+
+def has_replica_values(strategy) -> bool:
+    """Whether values that may differ between replicas come back as `PerReplica`s (on every
+    strategy but `OneDeviceStrategy`, even with one replica)."""
+    return not isinstance(strategy, jaxstrategy.OneDeviceStrategy)
 
 
 def is_multi_process(strategy) -> bool:
@@ -430,3 +438,82 @@ class StrategyConformance:
         assert len(extended.worker_devices) == len(local_replica_ids(strategy))
         assert extended.parameter_devices == extended.worker_devices
         assert all(name.startswith("/job:") for name in extended.worker_devices)
+
+    # --- gradients (SEMANTICS.md, "Gradients inside run") ------------------------------------
+
+    def test_tensorflow_gradient_rows(self, strategy):
+        # reference/tf_gradients_golden.txt, TensorFlow 2.21 on 2 replicas: replica r holds
+        # x_r = r + 1 and every replica w = 3. The rows hold for n replicas as written here
+        # (n = 2 gives TF's [1, 2], 1.5, 3, [2, 4], [4, 8], [4, 8], 2.85).
+        n = strategy.num_replicas_in_sync
+        x = np.arange(1, n + 1, dtype=np.float32)
+        mine = x[local_replica_ids(strategy)]
+        w = strategy.put(np.float32(3.0))
+        xs = strategy.experimental_distribute_values_from_function(
+            lambda context: jnp.float32(context.replica_id_in_sync_group + 1)
+        )
+
+        def local_grad(x, w):
+            return jax.grad(lambda w: w * x)(w)
+
+        def all_reduce(op, value):
+            return jaxstrategy.get_replica_context().all_reduce(op, value)
+
+        def all_gather(value):
+            return jaxstrategy.get_replica_context().all_gather(value, axis=0)
+
+        rows = {
+            "local grad of w*x_r": (local_grad, mine),
+            "all_reduce MEAN of local grads": (lambda x, w: all_reduce("mean", local_grad(x, w)), x.mean()),
+            "all_reduce SUM of local grads": (lambda x, w: all_reduce("sum", local_grad(x, w)), x.sum()),
+            "grad of all_reduce(SUM, w*x_r)": (
+                lambda x, w: jax.grad(lambda w: all_reduce("sum", w * x))(w),
+                n * mine,
+            ),
+            "grad wrt x_r of sum(all_gather(x)^2)": (
+                lambda x, w: jax.grad(lambda x: jnp.sum(all_gather(x.reshape(1)) ** 2))(x),
+                2 * n * mine,
+            ),
+            "grad wrt x_r of all_reduce(SUM, x_r^2)": (
+                lambda x, w: jax.grad(lambda x: all_reduce("sum", x**2))(x),
+                2 * n * mine,
+            ),
+            "w - 0.1 * mean grad": (lambda x, w: w - 0.1 * all_reduce("mean", local_grad(x, w)), 3 - 0.1 * x.mean()),
+        }
+        for name, (fn, expected) in rows.items():
+            out = strategy.run(fn, args=(xs, w))
+            got = [float(v) for v in strategy.experimental_local_results(out)]
+            np.testing.assert_allclose(got, np.broadcast_to(expected, len(mine)), rtol=1e-6, err_msg=name)
+            # Replicated exactly where every replica holds the same value, as TensorFlow's
+            # MirroredVariable results; a replica's own gradient is a PerReplica.
+            same_everywhere = np.ndim(expected) == 0
+            assert isinstance(out, jaxstrategy.PerReplica) == (has_replica_values(strategy) and not same_everywhere), name
+
+    def test_new_parameters_from_unreduced_gradients_are_per_replica(self, strategy):
+        w = strategy.put(np.float32(3.0))
+        xs = strategy.experimental_distribute_values_from_function(
+            lambda context: jnp.float32(context.replica_id_in_sync_group + 1)
+        )
+        new_w = strategy.run(lambda x, w: w - 0.1 * jax.grad(lambda w: w * x)(w), args=(xs, w))
+        expected = [3 - 0.1 * (i + 1) for i in local_replica_ids(strategy)]
+        np.testing.assert_allclose([float(v) for v in strategy.experimental_local_results(new_w)], expected)
+        assert isinstance(new_w, jaxstrategy.PerReplica) == has_replica_values(strategy)
+
+    @pytest.mark.parametrize("idiom", ["mean_loss", "compute_average_loss"])
+    @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+    def test_training_matches_a_plain_jit_loop(self, strategy, optimizer, idiom):
+        batches = training_batches([16, 16, 16, 16])
+        expected_losses, expected_params = reference_training(OPTIMIZERS[optimizer](), batches)
+        losses, params = strategy_training(strategy, OPTIMIZERS[optimizer](), batches, idiom)
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
+
+    def test_a_padded_last_batch_trains_on_its_real_examples(self, strategy):
+        # 13 examples do not split over 2 or 4 replicas: padded, masked, and divided by 13.
+        batches = training_batches([16, 16, 13])
+        expected_losses, expected_params = reference_training(optax.sgd(0.1), batches)
+        options = jaxstrategy.InputOptions(partial_batch="pad")
+        losses, params = strategy_training(strategy, optax.sgd(0.1), batches, "masked", options)
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
+

@@ -303,14 +303,15 @@ def test_all_gather_concatenates_in_replica_order(two):
     assert whole.tolist() == [0.0, 1.0, 0.0, 1.0]
 
 
-def test_gradients_through_all_gather_match_one_device(two):
-    # d/dx of sum(all_gather(x)**2) is 2x for each replica's own block.
+def test_gradients_through_all_gather_sum_every_replica_s_upstream_gradient(two):
+    # As TensorFlow: each replica's loss sum(all_gather(x)**2) holds every block, so each block's
+    # gradient is the sum over the 2 replicas of 2x: 4x.
     def step(x):
         context = jaxstrategy.get_replica_context()
         return jax.grad(lambda x: jnp.sum(context.all_gather(x, axis=0) ** 2))(x)
 
     grads = two.run(step, args=(_per_replica(two, [np.float32([1.0, 2.0]), np.float32([3.0, 4.0])]),))
-    assert _local(two, grads) == [[2.0, 4.0], [6.0, 8.0]]
+    assert _local(two, grads) == [[4.0, 8.0], [12.0, 16.0]]
 
 
 def test_outputs_are_per_replica_only_where_they_can_differ(four):

@@ -257,9 +257,8 @@ class ReplicaContext:
         for leaf, (leaf_axis,) in zip(leaves, axes, strict=True):
             leaf = jnp.asarray(leaf)
             if self._axis_name is not None:
-                # "invarying": JAX then knows every replica holds the same result, so run returns
-                # it as one replicated array rather than a PerReplica of equal copies.
-                leaf = jax.lax.all_gather(leaf, self._axis_name, axis=leaf_axis, tiled=True, to="invarying")
+                # Its gradient is a sum of the replicas' upstream gradients, as in TensorFlow.
+                leaf = jax.lax.all_gather(leaf, self._axis_name, axis=leaf_axis, tiled=True)
             gathered.append(leaf)
         return jax.tree.unflatten(treedef, gathered)
 

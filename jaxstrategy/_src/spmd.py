@@ -5,13 +5,16 @@ replica as a single program. A `PerReplica` argument gives each replica its own 
 other array argument is seen whole by every replica; non-array leaves (static arguments) are
 closed over. `fn` is traced once.
 
-Each output comes back as a `PerReplica` unless JAX's type system shows it is the same on every
-replica (it does not vary over the axis: an `all_reduce` result, or a value computed only from
-arguments every replica sees whole); those come back as ordinary replicated arrays. `shard_map`
+Each replica differentiates its own function, as in TensorFlow: `jax.grad` of a replica's loss
+with respect to a whole argument gives that replica's gradient, and a collective's gradient is
+the collective of the upstream gradients (`psum` for `psum` and `all_gather`). JAX's replication
+types (`check_vma`) would instead sum a whole argument's gradient over the replicas, so they are
+off, and `replication.py` decides from the traced jaxpr which outputs are the same on every
+replica (an `all_reduce` result, or a value computed only from arguments every replica sees
+whole): those come back as ordinary replicated arrays, the rest as `PerReplica`s. `shard_map`
 needs its `out_specs` before tracing, so every output first leaves stacked along a new replica
-axis; the ones found invariant are then unstacked by a second `shard_map` in which each device
-keeps its own copy (`out_specs=P()` with the check off, which the recorded type justifies), so
-no data moves between devices.
+axis; the replicated ones are then unstacked by a second `shard_map` in which each device keeps
+its own copy, so no data moves between devices.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from jaxstrategy._src.errors import bullet_list, format_path
 from jaxstrategy._src.per_replica import PerReplica, is_per_replica
+from jaxstrategy._src.replication import varying_outputs
 from jaxstrategy._src.types import PyTree
 
 # The mesh axis that holds the replicas, named in collectives inside `run`.
@@ -68,24 +73,37 @@ def per_replica_program(
         in_specs = tuple(
             stacked_spec if kind == _PER_REPLICA else whole_spec for kind in kinds if kind != _STATIC
         )
+        varying_inputs = [kind == _PER_REPLICA for kind in kinds if kind != _STATIC]
         outputs: dict[str, Any] = {}
 
-        def body(*blocks: Any) -> tuple[Any, ...]:
+        def replica_fn(*blocks: Any) -> list[jax.Array]:
             block_iter = iter(blocks)
             rebuilt = [_rebuild(leaf, kind, block_iter) for leaf, kind in zip(leaves, kinds, strict=True)]
             call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
+            # The replica id is read inside the traced function, so the analysis sees it vary.
             with replica_context(jax.lax.axis_index(axis_name)):
                 result = fn(*call_args, **call_kwargs)
             out_leaves, outputs["treedef"] = jax.tree.flatten(result)
-            out_leaves = _as_arrays(out_leaves, outputs["treedef"], caller)
-            outputs["varying"] = [_varies(x, axis_name) for x in out_leaves]
-            return tuple(x[None] for x in out_leaves)
+            return _as_arrays(out_leaves, outputs["treedef"], caller)
 
-        stacked = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec)(*traced)
+        def body(*blocks: Any) -> tuple[Any, ...]:
+            # Traced once to a jaxpr, which says which outputs are replicated, then evaluated.
+            traced_fn = jax.make_jaxpr(replica_fn)(*blocks)
+            outputs["varying"] = varying_outputs(traced_fn, varying_inputs, axis_name)
+            # An output the jaxpr holds as a constant comes back as a Python scalar.
+            return tuple(jnp.asarray(x)[None] for x in jaxpr_as_fun(traced_fn)(*blocks))
+
+        # `check_vma=False`: with JAX's replication types, a whole argument meeting a per-replica
+        # value gets an implicit `pvary`, whose transpose is a `psum`, so a replica's gradient
+        # with respect to a variable would come back summed over the replicas. Without them
+        # each replica differentiates its own function, as in TensorFlow.
+        stacked = jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec, check_vma=False
+        )(*traced)
         varying = outputs["varying"]
         invariant: Sequence[Any] = [x for x, v in zip(stacked, varying, strict=True) if not v]
         if invariant:
-            # Each device keeps its own copy of a value JAX showed to be the same everywhere.
+            # Each device keeps its own copy of a value shown to be the same everywhere.
             invariant = jax.shard_map(
                 lambda *xs: tuple(x[0] for x in xs),
                 mesh=mesh,
@@ -133,11 +151,3 @@ def _as_arrays(leaves: list[Any], treedef: Any, caller: str) -> list[Any]:
         lines = [f"{format_path('output', paths[i])} is a {type(leaves[i]).__name__}" for i in bad]
         raise TypeError(f"{caller}: the function must return a pytree of arrays, but:{bullet_list(lines)}")
     return arrays
-
-
-def _varies(x: jax.Array, axis_name: str) -> bool:
-    """Whether JAX's type of `x`, inside `shard_map`, says it may differ between replicas."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10 and later.
-    varying = manual.varying if manual is not None else getattr(aval, "vma", None)
-    return True if varying is None else axis_name in varying

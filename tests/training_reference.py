@@ -1,0 +1,105 @@
+"""A small model trained through a strategy, and the same model trained by a plain `jax.jit`
+loop on each whole global batch: the outside reference for the conformance suite's gradients.
+
+SGD and SGD with momentum tell a correct gradient from one scaled by the number of replicas
+(adam forgives any scale); the batches differ example by example, so replicas differ.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxstrategy
+from jaxstrategy.testing import assert_tree_on_strategy
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    # The threshold sits among the gradients' norms (2.0 to 3.3 on the first step's batches), so
+    # the true norm decides which steps are clipped.
+    "clip_sgd": lambda: optax.chain(optax.clip_by_global_norm(3.0), optax.sgd(0.1)),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+}
+
+
+def training_batches(sizes: list[int]) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    return [
+        {"x": rng.normal(size=(size, 5)).astype(np.float32), "y": rng.normal(size=size).astype(np.float32)}
+        for size in sizes
+    ]
+
+
+def initial_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {
+        "w1": rng.normal(size=(5, 8)).astype(np.float32) * 0.5,
+        "b1": np.zeros(8, np.float32),
+        "w2": rng.normal(size=(8,)).astype(np.float32) * 0.5,
+    }
+
+
+def per_example_loss(params, x, y):
+    predictions = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
+    return (predictions - y) ** 2
+
+
+def reference_training(tx, batches):
+    """The same model trained on each whole global batch by a plain `jax.jit` step."""
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(per_example_loss(p, x, y)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = jax.tree.map(jnp.asarray, initial_params())
+    opt_state, losses = tx.init(params), []
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32 counts.
+        for batch in batches:
+            params, opt_state, loss = step(params, opt_state, batch["x"], batch["y"])
+            losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def strategy_training(strategy, tx, batches, idiom, options=None):
+    """Train through `strategy.run` in one of TensorFlow's idioms; return the losses and the
+    final parameters of this process's first replica."""
+    params = strategy.put(initial_params())
+    opt_state, losses = strategy.put(tx.init(params)), []
+    with jax.numpy_dtype_promotion("standard"):
+        for batch in strategy.experimental_distribute_dataset(batches, options):
+            # The optimizer's functions and the idiom are static arguments: one step function
+            # serves every test, compiled once for each.
+            params, opt_state, loss = strategy.run(
+                train_step, args=(params, opt_state, batch), kwargs={"tx": tx, "idiom": idiom}
+            )
+            losses.append(float(loss))
+    assert_tree_on_strategy(params, strategy)
+    return losses, jax.tree.map(np.asarray, strategy.experimental_local_results(params)[0])
+
+
+def train_step(params, opt_state, batch, *, tx, idiom):
+    """One step: "mean_loss" averages each replica's mean loss and gradients; "compute_average_loss"
+    sums gradients of losses divided by the global batch; "masked" does that over a padded batch's
+    real examples."""
+    context = jaxstrategy.get_replica_context()
+    if idiom == "masked":
+        batch, mask = batch
+        real_examples = context.all_reduce("sum", jnp.sum(mask, dtype=jnp.int32))
+    x, y = batch["x"], batch["y"]
+    if idiom == "mean_loss":
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(per_example_loss(p, x, y)))(params)
+        loss, grads = context.all_reduce("mean", (loss, grads))
+    else:
+        kwargs = {"sample_weight": mask, "global_batch_size": real_examples} if idiom == "masked" else {}
+        loss, grads = jax.value_and_grad(
+            lambda p: jaxstrategy.nn.compute_average_loss(per_example_loss(p, x, y), **kwargs)
+        )(params)
+        loss, grads = context.all_reduce("sum", (loss, grads))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
