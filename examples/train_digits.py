@@ -42,6 +42,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 NUM_CLASSES = 10
 # The accuracy this demo is expected to reach with its default flags.
 TARGET_ACCURACY = 0.95
+OPTIMIZERS = {"adam": optax.adam, "sgd": optax.sgd}
+DEFAULT_LEARNING_RATES = {"adam": 3e-3, "sgd": 0.1}
 
 
 class MLP(nnx.Module):
@@ -61,26 +63,23 @@ class MLP(nnx.Module):
 class ShuffledBatches:
     """A re-iterable source of (images, labels) batches: each pass is a new shuffle, as an epoch is.
 
-    The last batch of a pass is cut to a multiple of `multiple_of` (the number of replicas, which
-    split every batch evenly); the examples cut off are different ones each pass.
+    The last batch of a pass is smaller; the strategy pads it so that it splits over the replicas,
+    and the training step counts only its real examples.
     """
 
-    def __init__(
-        self, images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int, *, multiple_of: int = 1
-    ):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int):
         self._images, self._labels = images, labels
         self._batch_size = batch_size
-        self._examples = len(labels) - len(labels) % batch_size % multiple_of
         self._rng = np.random.default_rng(seed)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        order = self._rng.permutation(len(self._labels))[: self._examples]
+        order = self._rng.permutation(len(self._labels))
         for start in range(0, len(order), self._batch_size):
             index = order[start : start + self._batch_size]
             yield self._images[index], self._labels[index]
 
     def __len__(self) -> int:
-        return -(-self._examples // self._batch_size)
+        return -(-len(self._labels) // self._batch_size)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -100,7 +99,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=32, help="examples per training step")
-    parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's learning rate")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="the optimizer")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        help="the optimizer's learning rate (default: "
+        + ", ".join(f"{rate:g} with {name}" for name, rate in sorted(DEFAULT_LEARNING_RATES.items()))
+        + ")",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="width of the two hidden layers")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the shuffles and the weights")
     parser.add_argument(
@@ -112,6 +118,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.replicas is not None and args.batch_size % args.replicas:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of --replicas {args.replicas}")
+    if args.learning_rate is None:
+        args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
     return args
 
 
@@ -126,14 +134,23 @@ def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 def make_steps(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
     """The training and evaluation steps: pure functions of arrays, for `strategy.run`."""
 
-    def loss_fn(state: nnx.State, images: jax.Array, labels: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, state)(images)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    def train_step(state: nnx.State, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+        (images, labels), mask = batch  # The mask marks the real examples of a padded batch.
+        context = jaxstrategy.get_replica_context()
+        # Each replica divides its examples' summed loss by the number of examples in the whole
+        # batch, and the replicas' gradients are summed: the gradient of the batch's mean loss,
+        # on any number of replicas (TensorFlow's idiom; on one device the sums are no-ops).
+        examples = context.all_reduce("sum", jnp.sum(mask, dtype=jnp.int32))
 
-    def train_step(state: nnx.State, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
-        loss, grads = jax.value_and_grad(loss_fn)(state, *batch)
-        # The mean over the replicas, so that all apply the same update (on one device, a no-op).
-        grads, loss = jaxstrategy.get_replica_context().all_reduce("mean", (grads, loss))
+        def loss_fn(state: nnx.State) -> jax.Array:
+            logits = nnx.merge(graphdef, state)(images)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return jaxstrategy.nn.compute_average_loss(
+                per_example, sample_weight=mask, global_batch_size=examples
+            )
+
+        loss, grads = jax.value_and_grad(loss_fn)(state)
+        loss, grads = context.all_reduce("sum", (loss, grads))
         updates, opt_state = optimizer.update(grads, opt_state, state)
         return optax.apply_updates(state, updates), opt_state, loss
 
@@ -159,14 +176,13 @@ def train(args: argparse.Namespace) -> float:
     print(f"{strategy!r}: {len(train_labels)} training and {len(test_labels)} test images")
 
     graphdef, state = nnx.split(MLP(args.hidden, nnx.Rngs(args.seed)))
-    optimizer = optax.adam(args.learning_rate)
+    optimizer = OPTIMIZERS[args.optimizer](args.learning_rate)
     state = strategy.put(state)  # The parameters, committed to the device.
-    opt_state = strategy.init(optimizer.init, state)  # Adam's moments, created there directly.
+    opt_state = strategy.init(optimizer.init, state)  # The optimizer's state, created there directly.
     train_step, accuracy = make_steps(graphdef, optimizer)
-    batches = ShuffledBatches(
-        train_images, train_labels, args.batch_size, args.seed, multiple_of=strategy.num_replicas_in_sync
-    )
-    dataset = strategy.experimental_distribute_dataset(batches)
+    batches = ShuffledBatches(train_images, train_labels, args.batch_size, args.seed)
+    # A last batch that does not split over the replicas is padded, with a mask of its real examples.
+    dataset = strategy.experimental_distribute_dataset(batches, jaxstrategy.InputOptions(partial_batch="pad"))
     test_set = strategy.put((test_images, test_labels))
 
     losses: list[float] = []
@@ -189,8 +205,8 @@ def train(args: argparse.Namespace) -> float:
             for batch in progress:
                 state, opt_state, loss = strategy.run(train_step, args=(state, opt_state, batch))
                 losses.append(float(loss))  # Reading the loss each step, as a progress bar does.
-                # One part per replica (the whole batch on one device).
-                examples += sum(len(part) for part in strategy.experimental_local_results(batch[1]))
+                # The real examples, one part per replica (the whole batch on one device).
+                examples += sum(int(part.sum()) for part in strategy.experimental_local_results(batch[1]))
                 rate = examples / (time.perf_counter() - started)
                 progress.set_postfix(loss=f"{losses[-1]:.4f}", examples_per_s=f"{rate:.0f}", refresh=False)
             test_accuracy = float(strategy.run(accuracy, args=(state, *test_set)))

@@ -478,7 +478,10 @@ class StrategyConformance:
                 lambda x, w: jax.grad(lambda x: all_reduce("sum", x**2))(x),
                 2 * n * mine,
             ),
-            "w - 0.1 * mean grad": (lambda x, w: w - 0.1 * all_reduce("mean", local_grad(x, w)), 3 - 0.1 * x.mean()),
+            "w - 0.1 * mean grad": (
+                lambda x, w: w - 0.1 * all_reduce("mean", local_grad(x, w)),
+                3 - 0.1 * x.mean(),
+            ),
         }
         for name, (fn, expected) in rows.items():
             out = strategy.run(fn, args=(xs, w))
@@ -487,7 +490,9 @@ class StrategyConformance:
             # Replicated exactly where every replica holds the same value, as TensorFlow's
             # MirroredVariable results; a replica's own gradient is a PerReplica.
             same_everywhere = np.ndim(expected) == 0
-            assert isinstance(out, jaxstrategy.PerReplica) == (has_replica_values(strategy) and not same_everywhere), name
+            assert isinstance(out, jaxstrategy.PerReplica) == (
+                has_replica_values(strategy) and not same_everywhere
+            ), name
 
     def test_new_parameters_from_unreduced_gradients_are_per_replica(self, strategy):
         w = strategy.put(np.float32(3.0))
@@ -516,4 +521,3 @@ class StrategyConformance:
         losses, params = strategy_training(strategy, optax.sgd(0.1), batches, "masked", options)
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
-

@@ -84,6 +84,28 @@ def test_testing_module_is_pinned():
     assert jaxstrategy.testing is testing
 
 
+def test_nn_module_is_pinned():
+    from jaxstrategy import nn
+
+    assert nn.__all__ == ("compute_average_loss", "scale_regularization_loss")
+    assert all(">>>" in getattr(nn, name).__doc__ for name in nn.__all__)
+    assert jaxstrategy.nn is nn
+
+
+def test_tensorflow_loss_scaling_names_are_kept():
+    def parameters(function):
+        return [(p.name, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(jaxstrategy.nn.compute_average_loss) == [
+        ("per_example_loss", inspect.Parameter.empty),
+        ("sample_weight", None),
+        ("global_batch_size", None),
+    ]
+    assert parameters(jaxstrategy.nn.scale_regularization_loss) == [
+        ("regularization_loss", inspect.Parameter.empty)
+    ]
+
+
 def test_importing_jaxstrategy_does_not_import_orbax():
     import subprocess
     import sys

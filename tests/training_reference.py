@@ -15,7 +15,6 @@ import optax
 import jaxstrategy
 from jaxstrategy.testing import assert_tree_on_strategy
 
-
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),
     "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),

@@ -136,6 +136,8 @@ def _check_batch_size(global_batch_size: Any, caller: str) -> None:
             f"batch; got {global_batch_size!r}."
         )
     if np.ndim(global_batch_size) != 0:
-        raise ValueError(f"{caller}: global_batch_size must be a scalar; got shape {np.shape(global_batch_size)}.")
+        raise ValueError(
+            f"{caller}: global_batch_size must be a scalar; got shape {np.shape(global_batch_size)}."
+        )
     if not isinstance(global_batch_size, jax.core.Tracer) and int(global_batch_size) < 0:
         raise ValueError(f"{caller}: global_batch_size must be non-negative; got {int(global_batch_size)}.")

@@ -30,7 +30,9 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
 
 # Collectives whose result is identical on every replica when they span the whole replica axis.
-_REPLICATING_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_invariant"})
+_REPLICATING_COLLECTIVES = frozenset(
+    {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_invariant"}
+)
 
 # Primitives whose result can differ between replicas even when every input is replicated.
 _VARIATION_SOURCES = frozenset(
@@ -77,9 +79,7 @@ def varying_outputs(jaxpr: ClosedJaxpr | Jaxpr, varying_inputs: Sequence[bool], 
       >>> found
       [True, False, False]
     """
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    return _Analysis(axis_name).outputs(jaxpr, list(varying_inputs))
+    return _Analysis(axis_name).outputs(_open(jaxpr), list(varying_inputs))
 
 
 class _Analysis:
@@ -141,7 +141,11 @@ class _Analysis:
 
     def _scan(self, params: Any, inputs: list[bool]) -> list[bool]:
         num_consts, num_carry = params["num_consts"], params["num_carry"]
-        consts, carry, xs = inputs[:num_consts], inputs[num_consts : num_consts + num_carry], inputs[num_consts + num_carry :]
+        consts, carry, xs = (
+            inputs[:num_consts],
+            inputs[num_consts : num_consts + num_carry],
+            inputs[num_consts + num_carry :],
+        )
         body = _open(params["jaxpr"])
         carry = self._fixpoint(body, consts, carry, xs)
         ys = self.outputs(body, consts + carry + xs)[num_carry:]
@@ -160,19 +164,24 @@ class _Analysis:
     def _unknown(self, eqn: Any, inputs: list[bool], count: int) -> list[bool]:
         """A primitive this module does not model: element-wise ones (add, dot_general, ...) keep
         their inputs' flag; for one with jaxprs inside, anything inside that can vary spreads."""
-        anything_varies = any(inputs) or any(self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params))
+        anything_varies = any(inputs) or any(
+            self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params)
+        )
         return [anything_varies] * count
 
     def _may_introduce_variation(self, jaxpr: Jaxpr) -> bool:
         return any(
-            self._is_variation_source(eqn) or any(self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params))
+            self._is_variation_source(eqn)
+            or any(self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params))
             for eqn in jaxpr.eqns
         )
 
     def _is_variation_source(self, eqn: Any) -> bool:
         name = eqn.primitive.name
         if name in _REPLICATING_COLLECTIVES:
-            return self._axis_name in _axis_names(eqn.params) and eqn.params.get("axis_index_groups") is not None
+            return (
+                self._axis_name in _axis_names(eqn.params) and eqn.params.get("axis_index_groups") is not None
+            )
         # A host callback may answer differently on each device.
         return name in _VARIATION_SOURCES or "callback" in name
 

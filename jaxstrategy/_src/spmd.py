@@ -97,9 +97,9 @@ def per_replica_program(
         # value gets an implicit `pvary`, whose transpose is a `psum`, so a replica's gradient
         # with respect to a variable would come back summed over the replicas. Without them
         # each replica differentiates its own function, as in TensorFlow.
-        stacked = jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec, check_vma=False
-        )(*traced)
+        stacked = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec, check_vma=False)(
+            *traced
+        )
         varying = outputs["varying"]
         invariant: Sequence[Any] = [x for x, v in zip(stacked, varying, strict=True) if not v]
         if invariant:
