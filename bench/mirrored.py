@@ -6,8 +6,9 @@ JAX starts, unless XLA_FLAGS already forces a count.
 
 1. Dispatch, on MirroredStrategy over both devices. Each case is timed once through
    `strategy.run(fn, args=...)` and once through what a JAX user would write by hand:
-   `jax.jit(jax.shard_map(fn, mesh=strategy.mesh, in_specs=..., out_specs=...))`, called with the
-   same replicated parameters and the same batch sharded over the replicas.
+   `jax.jit(jax.shard_map(fn, mesh=strategy.mesh, in_specs=..., out_specs=...))` (with
+   `check_vma=False` where it takes gradients, for each replica's own, as `run` gives), called
+   with the same replicated parameters and the same batch sharded over the replicas.
 
    * spec loop (int): `step_fn(x) = x * 2` with a new Python int each call.
    * sgd step (tree): one SGD step of a small MLP on a per-replica batch, gradients and loss
@@ -157,9 +158,15 @@ def dispatch_loops(strategy: jaxstrategy.MirroredStrategy) -> dict[str, tuple[Lo
     # dataset's PerReplica batch. Both are placed before timing.
     sharded_batch = jax.device_put(host_batch, NamedSharding(mesh, P("replica")))
     per_replica_batch = next(iter(strategy.experimental_distribute_dataset([host_batch])))
+    # check_vma=False, as run has it: with JAX's replication types on, the gradient of the
+    # replicated parameters would come back summed over the replicas, not each replica's own.
     sgd_jit = jax.jit(
         jax.shard_map(
-            sgd_step("sgd/jit", pmean), mesh=mesh, in_specs=(P(), P("replica")), out_specs=(P(), P())
+            sgd_step("sgd/jit", pmean),
+            mesh=mesh,
+            in_specs=(P(), P("replica")),
+            out_specs=(P(), P()),
+            check_vma=False,
         )
     )
     sgd_run = sgd_step("sgd/run", all_reduce_mean)

@@ -42,6 +42,12 @@ def flags(fn):
     return found
 
 
+def _through_a_ref(value):
+    ref = jax.new_ref(jnp.zeros(()))
+    ref[...] = value
+    return ref[...]
+
+
 CASES = {
     "own value": (lambda x, w: x * w, [True]),
     "whole value and constants": (lambda x, w: (w * 2, jnp.ones(3), 4.0), [False, False, False]),
@@ -69,6 +75,7 @@ CASES = {
         lambda x, w: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), w),
         [True],
     ),
+    "a mutable array a replica wrote into": (lambda x, w: _through_a_ref(x), [True]),
     "random numbers from a whole key, and from one folded with the replica id": (
         lambda x, w: (
             jax.random.normal(jax.random.key(0)),

@@ -7,8 +7,8 @@ values are replicated, so this module works it out from the traced jaxpr, with o
 
 - a value *varies* (may differ between replicas) when it is, or is computed from, a `PerReplica`
   argument, the replica id (`axis_index`), a host callback (which may answer differently on each
-  device), or a collective that leaves replicas with different parts (`ppermute`, `all_to_all`,
-  `psum_scatter`, a reduction over groups of replicas);
+  device), a read of a mutable array, or a collective that leaves replicas with different parts
+  (`ppermute`, `all_to_all`, `psum_scatter`, a reduction over groups of replicas);
 - the result of a reduction or gather over the whole replica axis (`psum`, `pmean`, `pmax`,
   `pmin`, `all_gather`) is the same everywhere, whatever its input;
 - everything else is replicated when all its inputs are: whole arguments, constants, values
@@ -34,9 +34,20 @@ _REPLICATING_COLLECTIVES = frozenset(
     {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_invariant"}
 )
 
-# Primitives whose result can differ between replicas even when every input is replicated.
+# Primitives whose result can differ between replicas even when every input is replicated. A
+# read of a mutable array (`jax.new_ref`) is among them: what each replica wrote into it, maybe
+# inside a loop or a nested jaxpr, is not tracked.
 _VARIATION_SOURCES = frozenset(
-    {"axis_index", "ppermute", "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter"}
+    {
+        "axis_index",
+        "ppermute",
+        "all_to_all",
+        "ragged_all_to_all",
+        "reduce_scatter",
+        "psum_scatter",
+        "get",
+        "freeze",
+    }
 )
 
 # Call-like primitives: their one jaxpr takes the equation's inputs and gives its outputs, in order.
