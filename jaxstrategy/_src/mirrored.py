@@ -383,10 +383,11 @@ class MirroredStrategy(MeshStrategy):
     checkpoint restore are replicated on every device. `run` traces its function once and runs it
     on every replica as one SPMD program (`jax.jit` of `jax.shard_map`): a `PerReplica` argument,
     such as a batch from a distributed dataset, gives each replica its own part, and any other
-    argument is seen whole by every replica. Inside, `get_replica_context().all_reduce('mean',
-    grads)` averages across replicas. Outputs that differ between replicas come back as
-    `PerReplica`; outputs JAX can show are the same on every replica (all-reduced values, or values
-    computed only from replicated inputs) come back as replicated arrays.
+    argument is seen whole by every replica. Inside, `jax.grad` gives each replica its own
+    gradient, as in TensorFlow, and `get_replica_context().all_reduce('mean', grads)` averages
+    them across replicas. Outputs that may differ between replicas come back as `PerReplica`;
+    outputs that are provably the same on every replica (all-reduced values, or values computed
+    only from those and replicated inputs) come back as replicated arrays.
 
     Args:
       devices: the devices, in any form `OneDeviceStrategy` accepts, as a list or tuple; None
