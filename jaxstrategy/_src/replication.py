@@ -24,10 +24,10 @@ never a wrong value); it never says "replicated" for one that could differ.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 # Collectives whose result is identical on every replica when they span the whole replica axis.
 _REPLICATING_COLLECTIVES = frozenset(
@@ -175,15 +175,13 @@ class _Analysis:
     def _unknown(self, eqn: Any, inputs: list[bool], count: int) -> list[bool]:
         """A primitive this module does not model: element-wise ones (add, dot_general, ...) keep
         their inputs' flag; for one with jaxprs inside, anything inside that can vary spreads."""
-        anything_varies = any(inputs) or any(
-            self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params)
-        )
+        anything_varies = any(inputs) or any(self._may_introduce_variation(j) for j in _jaxprs_in(eqn.params))
         return [anything_varies] * count
 
     def _may_introduce_variation(self, jaxpr: Jaxpr) -> bool:
         return any(
             self._is_variation_source(eqn)
-            or any(self._may_introduce_variation(j) for j in jaxprs_in_params(eqn.params))
+            or any(self._may_introduce_variation(j) for j in _jaxprs_in(eqn.params))
             for eqn in jaxpr.eqns
         )
 
@@ -195,6 +193,15 @@ class _Analysis:
             )
         # A host callback may answer differently on each device.
         return name in _VARIATION_SOURCES or "callback" in name
+
+
+def _jaxprs_in(params: Any) -> Iterator[Jaxpr]:
+    """The jaxprs among an equation's parameters (`jax.extend.core` has no such helper in every
+    JAX this package supports)."""
+    for value in params.values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, ClosedJaxpr | Jaxpr):
+                yield _open(item)
 
 
 def _open(jaxpr: ClosedJaxpr | Jaxpr) -> Jaxpr:
