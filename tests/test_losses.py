@@ -35,6 +35,29 @@ def test_compute_average_loss_outside_every_scope_is_one_replica(kwargs, expecte
     np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
 
 
+def test_one_weight_per_example_weighs_every_loss_of_that_example():
+    # TensorFlow lines the weights up with the batch axis, whatever the losses' rank.
+    per_token = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    assert (
+        float(compute_average_loss(per_token, sample_weight=np.array([1.0, 0.0]), global_batch_size=2)) == 1.5
+    )
+    assert (
+        float(compute_average_loss(per_token, sample_weight=np.array([[1.0], [0.0]]), global_batch_size=2))
+        == 1.5
+    )
+    assert (
+        float(compute_average_loss(per_token, sample_weight=np.array([[1.0, 0.0]]), global_batch_size=2))
+        == 2.0
+    )
+    assert float(
+        compute_average_loss(LOSSES, sample_weight=np.array([[1.0], [0.0], [1.0]]))
+    ) == pytest.approx(4 / 3)
+    with pytest.raises(
+        ValueError, match=r"sample_weight of shape \(4,\) does not fit per_example_loss of shape \(3, 4\)"
+    ):
+        compute_average_loss(np.ones((3, 4), np.float32), sample_weight=np.ones(4))
+
+
 def test_the_default_global_batch_is_the_replica_batch_times_the_replicas(cpu_devices):
     strategy = MirroredStrategy(cpu_devices[:4])
     per_replica = strategy.experimental_distribute_values_from_function(

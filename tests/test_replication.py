@@ -9,6 +9,7 @@ therefore include every way a value can come to differ.
 from __future__ import annotations
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,10 +43,16 @@ def flags(fn):
     return found
 
 
-def _through_a_ref(value):
+def _read_back(value):
     ref = jax.new_ref(jnp.zeros(()))
     ref[...] = value
     return ref[...]
+
+
+def _swapped_out(value):
+    ref = jax.new_ref(jnp.zeros(()))
+    ref[...] = value
+    return jax.ref.swap(ref, (), jnp.zeros(()))
 
 
 CASES = {
@@ -75,7 +82,14 @@ CASES = {
         lambda x, w: jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), w),
         [True],
     ),
-    "a mutable array a replica wrote into": (lambda x, w: _through_a_ref(x), [True]),
+    "a mutable array a replica wrote into": (lambda x, w: (_read_back(x), _swapped_out(x)), [True, True]),
+    "host callbacks and XLA's stateful random numbers": (
+        lambda x, w: (
+            jax.experimental.io_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), w),
+            jax.lax.rng_uniform(jnp.float32(0), jnp.float32(1), (2,)),
+        ),
+        [True, True],
+    ),
     "random numbers from a whole key, and from one folded with the replica id": (
         lambda x, w: (
             jax.random.normal(jax.random.key(0)),
@@ -142,6 +156,36 @@ CASES = {
 @pytest.mark.parametrize("fn, expected", CASES.values(), ids=CASES.keys())
 def test_outputs_vary_exactly_where_replicas_can_differ(fn, expected):
     assert flags(fn) == expected
+
+
+# Cases XLA cannot run on CPU devices.
+_NOT_RUNNABLE = {"reduction over groups of replicas"}
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in _NOT_RUNNABLE])
+def test_what_run_returns_replicated_is_the_same_on_every_device(name, cpu_devices):
+    # End to end: every output run returns as one array must hold equal copies on the devices.
+    fn, expected = CASES[name]
+    strategy = jaxstrategy.MirroredStrategy(cpu_devices[:2])
+    own = strategy.experimental_distribute_values_from_function(
+        lambda context: jnp.float32(context.replica_id_in_sync_group)
+    )
+    outputs = jax.tree.leaves(
+        strategy.run(fn, args=(own, strategy.put(jnp.float32(1.0)))),
+        is_leaf=lambda x: isinstance(x, PerReplica),
+    )
+    assert [isinstance(out, PerReplica) for out in outputs] == expected
+    for out in outputs:
+        if not isinstance(out, PerReplica):
+            copies = [
+                np.asarray(
+                    jax.random.key_data(s.data)
+                    if jnp.issubdtype(s.data.dtype, jax.dtypes.prng_key)
+                    else s.data
+                )
+                for s in out.addressable_shards
+            ]
+            assert all(np.array_equal(copies[0], copy) for copy in copies[1:]), name
 
 
 def test_a_primitive_it_does_not_model_varies_with_its_inputs_or_what_it_holds(monkeypatch):

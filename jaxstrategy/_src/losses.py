@@ -37,8 +37,9 @@ def compute_average_loss(
     Args:
       per_example_loss: the losses of this replica's examples, of rank 1 or more (the first
         dimension is the batch).
-      sample_weight: None, or weights broadcastable to `per_example_loss` (such as the mask of a
-        padded batch).
+      sample_weight: None, or weights for the examples: a scalar, one weight per example (such
+        as the mask of a padded batch, also for losses of rank 2 and more, as in TensorFlow), or
+        an array broadcastable to `per_example_loss`.
       global_batch_size: None, or the number of examples in the global batch: a non-negative
         integer (a Python int, or an integer array of rank 0).
 
@@ -72,9 +73,7 @@ def compute_average_loss(
     if not jnp.issubdtype(losses.dtype, jnp.floating):
         raise TypeError(f"{caller}: per_example_loss must be floating point; got {losses.dtype}.")
     if sample_weight is not None:
-        losses = (losses * jnp.broadcast_to(jnp.asarray(sample_weight, losses.dtype), losses.shape)).astype(
-            losses.dtype
-        )
+        losses = _weighted(losses, jnp.asarray(sample_weight), caller)
     if global_batch_size is None:
         _require_replica_context(caller, "pass global_batch_size")
         global_batch_size = losses.shape[0] * _num_replicas_in_sync()
@@ -109,6 +108,28 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     """
     _require_replica_context("jaxstrategy.nn.scale_regularization_loss()", "call it inside Strategy.run")
     return jnp.sum(jnp.asarray(regularization_loss)) / _num_replicas_in_sync()
+
+
+def _weighted(losses: jax.Array, weights: jax.Array, caller: str) -> jax.Array:
+    """`losses * weights` as TensorFlow lines them up: weights of one rank less than the losses
+    (one per example of per-token losses, say) get a trailing axis, and a trailing axis of 1 on
+    weights of one rank more is dropped. Multiplied in at least float32, as TensorFlow does."""
+    given = weights.shape
+    if weights.ndim == losses.ndim - 1:
+        weights = weights[..., None]
+    elif weights.ndim == losses.ndim + 1 and weights.shape[-1] == 1:
+        weights = weights[..., 0]
+    if weights.ndim and (
+        weights.ndim != losses.ndim
+        or any(w not in (1, n) for w, n in zip(weights.shape, losses.shape, strict=True))
+    ):
+        raise ValueError(
+            f"{caller}: sample_weight of shape {given} does not fit per_example_loss of shape "
+            f"{losses.shape}; pass a scalar, one weight per example (shape {losses.shape[:1]}), or "
+            "an array broadcastable to the losses."
+        )
+    dtype = jnp.promote_types(losses.dtype, jnp.float32)
+    return (losses.astype(dtype) * weights.astype(dtype)).astype(losses.dtype)
 
 
 def _require_replica_context(caller: str, otherwise: str) -> None:

@@ -6,20 +6,26 @@ gradient is a collective of the upstream gradients). JAX's type system then no l
 values are replicated, so this module works it out from the traced jaxpr, with one forward pass:
 
 - a value *varies* (may differ between replicas) when it is, or is computed from, a `PerReplica`
-  argument, the replica id (`axis_index`), a host callback (which may answer differently on each
-  device), a read of a mutable array, or a collective that leaves replicas with different parts
-  (`ppermute`, `all_to_all`, `psum_scatter`, a reduction over groups of replicas);
+  argument, the replica id (`axis_index`), a host callback or foreign function (which may answer
+  differently on each device), a primitive with side effects (a read of a mutable array, say), or
+  a collective that leaves replicas with different parts (`ppermute`, `all_to_all`,
+  `psum_scatter`, a reduction over groups of replicas);
 - the result of a reduction or gather over the whole replica axis (`psum`, `pmean`, `pmax`,
   `pmin`, `all_gather`) is the same everywhere, whatever its input;
 - everything else is replicated when all its inputs are: whole arguments, constants, values
   closed over from outside `run`.
 
+Every process of a multi-process job must trace the same program (JAX requires it), so values
+baked into the program, such as Python numbers, count as the same everywhere.
+
 The pass follows nested jaxprs (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `cond`, `while`,
 `scan`), iterating loops to a fixpoint; a `cond` or `while` whose predicate varies makes its
 results vary. A primitive it does not know, with jaxprs inside, is treated soundly: its outputs
-vary when any input varies or when anything inside could introduce variation. The answer may
-say "varies" for a value that happens to be the same everywhere (that costs a `PerReplica`,
-never a wrong value); it never says "replicated" for one that could differ.
+vary when any input varies or when anything inside could introduce variation. Any other
+primitive without side effects is taken to compute its outputs from its inputs alone, as JAX's
+pure primitives do. The answer may say "varies" for a value that happens to be the same
+everywhere (that costs a `PerReplica`, never a wrong value); tests/test_replication.py checks,
+case by case, that what it calls replicated is the same on every device.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ _REPLICATING_COLLECTIVES = frozenset(
     {"psum", "pmax", "pmin", "all_gather", "all_gather_invariant", "psum_invariant"}
 )
 
-# Primitives whose result can differ between replicas even when every input is replicated. A
-# read of a mutable array (`jax.new_ref`) is among them: what each replica wrote into it, maybe
-# inside a loop or a nested jaxpr, is not tracked.
+# Primitives whose result can differ between replicas even when every input is replicated:
+# the replica id, collectives that give each replica its own part, and XLA's stateful RNG.
+# Host callbacks and foreign-function calls (by name) and every primitive with side effects
+# (mutable arrays' reads and swaps, I/O) are added to these in `_is_variation_source`.
 _VARIATION_SOURCES = frozenset(
     {
         "axis_index",
@@ -45,8 +52,7 @@ _VARIATION_SOURCES = frozenset(
         "ragged_all_to_all",
         "reduce_scatter",
         "psum_scatter",
-        "get",
-        "freeze",
+        "rng_uniform",
     }
 )
 
@@ -191,8 +197,12 @@ class _Analysis:
             return (
                 self._axis_name in _axis_names(eqn.params) and eqn.params.get("axis_index_groups") is not None
             )
-        # A host callback may answer differently on each device.
-        return name in _VARIATION_SOURCES or "callback" in name
+        if name in _VARIATION_SOURCES or "callback" in name or "ffi" in name:
+            return True  # A host callback or a foreign function may answer differently per device.
+        # A side effect (a mutable array written with each replica's value, I/O) may leave each
+        # device its own result. A primitive holding jaxprs has its body's effects; the pass
+        # follows the body instead.
+        return bool(eqn.effects) and not any(True for _ in _jaxprs_in(eqn.params))
 
 
 def _jaxprs_in(params: Any) -> Iterator[Jaxpr]:

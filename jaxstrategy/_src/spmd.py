@@ -7,14 +7,14 @@ closed over. `fn` is traced once.
 
 Each replica differentiates its own function, as in TensorFlow: `jax.grad` of a replica's loss
 with respect to a whole argument gives that replica's gradient, and a collective's gradient is
-the collective of the upstream gradients (`psum` for `psum` and `all_gather`). JAX's replication
-types (`check_vma`) would instead sum a whole argument's gradient over the replicas, so they are
-off, and `replication.py` decides from the traced jaxpr which outputs are the same on every
-replica (an `all_reduce` result, or a value computed only from arguments every replica sees
-whole): those come back as ordinary replicated arrays, the rest as `PerReplica`s. `shard_map`
-needs its `out_specs` before tracing, so every output first leaves stacked along a new replica
-axis; the replicated ones are then unstacked by a second `shard_map` in which each device keeps
-its own copy, so no data moves between devices.
+the collective of the upstream gradients (`psum` for `psum`, `psum_scatter` for `all_gather`).
+JAX's replication types (`check_vma`) would instead sum a whole argument's gradient over the
+replicas, so they are off, and `replication.py` decides from the traced jaxpr which outputs are
+the same on every replica (an `all_reduce` result, or a value computed only from arguments every
+replica sees whole): those come back as ordinary replicated arrays, the rest as `PerReplica`s.
+`shard_map` needs its `out_specs` before tracing, so every output first leaves stacked along a
+new replica axis; the replicated ones are then unstacked by a second `shard_map` in which each
+device keeps its own copy, so no data moves between devices.
 """
 
 from __future__ import annotations
