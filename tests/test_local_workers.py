@@ -47,3 +47,25 @@ def test_workers_past_the_timeout_are_killed_and_their_output_shown():
 def test_the_number_of_workers_is_checked():
     with pytest.raises(ValueError, match=r"run_local_workers\(num_workers=0\): expected an int >= 1"):
         run_local_workers(["-c", "pass"], num_workers=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            {"args": "train.py"},
+            TypeError,
+            r"run_local_workers\(args='train.py'\): expected a list of strings",
+        ),
+        ({"args": ["-c", 1]}, TypeError, r"expected a list of strings"),
+        (
+            {"devices_per_worker": 0},
+            ValueError,
+            r"run_local_workers\(devices_per_worker=0\): expected an int >= 1",
+        ),
+        ({"timeout": 0}, ValueError, r"run_local_workers\(timeout=0\): expected a number of seconds > 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_worker_starts(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        run_local_workers(**{"args": ["-c", "pass"], **kwargs})

@@ -111,6 +111,14 @@ def test_duplicate_devices_are_an_error():
         MirroredStrategy(["/cpu:0", "CPU:0"])
 
 
+def test_none_in_the_list_is_an_error_not_the_default_device():
+    # As TensorFlow, an empty list means every local device; None in a list names no device.
+    with pytest.raises(
+        TypeError, match=r"devices\[1\] is None, which names no device.*devices=None for every local device"
+    ):
+        MirroredStrategy(["/cpu:0", None])
+
+
 def test_a_bare_string_is_an_error_not_iterated_per_character():
     with pytest.raises(TypeError, match=r"devices='/cpu:0'\): expected a list or tuple .* got a str"):
         MirroredStrategy("/cpu:0")  # type: ignore[arg-type]

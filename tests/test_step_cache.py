@@ -287,9 +287,20 @@ def test_donating_a_buffer_passed_twice_is_a_clear_error(strategy):
 def test_donating_an_argument_that_is_not_passed_is_an_error(strategy):
     with pytest.raises(
         ValueError,
-        match=r"donates arguments that this call does not pass \(donate_argnums position 2, donate_argnames name 'state'\)",
+        match=r"names arguments that this call does not pass \(donate_argnums position 2, donate_argnames name 'state'\)",
     ):
         strategy.run(_sgd, args=(1.0, 1.0), options=RunOptions(donate_argnums=2, donate_argnames="state"))
+
+
+def test_a_static_argument_that_is_not_passed_is_an_error(strategy):
+    # A position past the end, or a name passed positionally, would silently be traced.
+    with pytest.raises(
+        ValueError,
+        match=r"names arguments that this call does not pass \(static_argnums position 5\); it passed 2 positional",
+    ):
+        strategy.run(_sgd, args=(1.0, 1.0), options=RunOptions(static_argnums=5))
+    with pytest.raises(ValueError, match=r"\(static_argnames name 'x'\).*pass a named argument as a keyword"):
+        strategy.run(_sgd, args=(1.0, 1.0), options=RunOptions(static_argnames="x"))
 
 
 def test_donated_python_numbers_are_not_mistaken_for_a_shared_buffer(strategy):

@@ -194,6 +194,9 @@ def run_local_workers(
 
     Raises:
       TimeoutError: the workers did not all end in time; the message shows what each printed.
+      TypeError: `args` is a string rather than a list of strings.
+      ValueError: `num_workers` or `devices_per_worker` is not an int >= 1, or `timeout` is not
+        positive.
 
     Example:
       >>> from jaxstrategy.testing import run_local_workers
@@ -202,8 +205,17 @@ def run_local_workers(
       >>> [r.stdout for r in run_local_workers(['-c', program], devices_per_worker=2, timeout=120)]
       ['0 4\\n', '1 4\\n']
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"run_local_workers(num_workers={num_workers!r}): expected an int >= 1.")
+    if isinstance(args, str | bytes) or not all(isinstance(arg, str) for arg in args):
+        # A bare string is a sequence too: it would run one argument per character.
+        raise TypeError(
+            f"run_local_workers(args={args!r}): expected a list of strings, the program and its "
+            f"arguments as after `python`, such as ['train.py', '--steps', '5']."
+        )
+    for name, value in (("num_workers", num_workers), ("devices_per_worker", devices_per_worker)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"run_local_workers({name}={value!r}): expected an int >= 1.")
+    if not timeout > 0:
+        raise ValueError(f"run_local_workers(timeout={timeout!r}): expected a number of seconds > 0.")
     workers = LocalWorkers(
         args, num_workers, devices_per_worker=devices_per_worker, env=env, cwd=Path(cwd) if cwd else None
     )

@@ -438,6 +438,13 @@ def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, 
             "['/gpu:0', '/gpu:1'], or None for all local devices; got a "
             f"{type(devices).__name__}. For one device, pass a one-element list."
         )
+    missing = [f"devices[{i}]" for i, spec in enumerate(devices) if spec is None]
+    if missing:
+        # OneDeviceStrategy(None) means the default device; in a list, None names no device.
+        raise TypeError(
+            f"MirroredStrategy(devices={list(devices)!r}): {', '.join(missing)} is None, which names "
+            "no device. List devices such as '/gpu:0', or pass devices=None for every local device."
+        )
     resolved = tuple(
         resolve_device(spec, caller="MirroredStrategy", argument=f"devices[{i}]")
         for i, spec in enumerate(devices)

@@ -349,7 +349,7 @@ class _CompiledStep:
     ) -> tuple[_StaticSpec, list[Any], list[Any], tuple[list[Any], list[Any]]]:
         """Sort the leaves of `(args, kwargs)` into static, donated and kept ones; also returns
         the shardings of the donated and of the kept leaves."""
-        self._check_donated_arguments_exist(args, kwargs)
+        self._check_named_arguments_exist(args, kwargs)
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         leaf_shardings = layout.for_leaves(len(path_leaves))
         kinds, static, donated, kept = [], [], [], []
@@ -395,14 +395,22 @@ class _CompiledStep:
         shardings = (donated_shardings, kept_shardings)
         return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept, shardings
 
-    def _check_donated_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        missing = [f"donate_argnums position {n}" for n in self._donate_argnums if n >= len(args)]
-        missing += [f"donate_argnames name {n!r}" for n in self._donate_argnames if n not in kwargs]
+    def _check_named_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise unless every argument RunOptions donates or makes static is passed: a position
+        past the end, or a name given positionally, would silently donate or fix nothing."""
+        missing = []
+        for option, numbers, names in (
+            ("donate", self._donate_argnums, self._donate_argnames),
+            ("static", self._static_argnums, self._static_argnames),
+        ):
+            missing += [f"{option}_argnums position {n}" for n in numbers if n >= len(args)]
+            missing += [f"{option}_argnames name {n!r}" for n in names if n not in kwargs]
         if missing:
             raise ValueError(
-                f"{self._caller}: RunOptions donates arguments that this call does not pass "
+                f"{self._caller}: RunOptions names arguments that this call does not pass "
                 f"({', '.join(missing)}); it passed {len(args)} positional argument(s) and "
-                f"keyword arguments {sorted(kwargs)}."
+                f"keyword arguments {sorted(kwargs)}. Positions count `args`; names match `kwargs` "
+                "only, so pass a named argument as a keyword."
             )
 
     def _donated_twice(self, donated_at: str, also_at: str) -> ValueError:
