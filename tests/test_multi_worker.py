@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -381,3 +382,28 @@ def test_an_unreachable_coordinator_is_reported_before_the_process_ends():
         "initialization_timeout=2 s: the coordinator could not be reached"
     ) in completed.stderr, completed.stderr[-2000:]
     assert time.monotonic() - started < 60
+
+
+def test_a_coordinator_port_in_use_is_a_clear_error_not_a_crash():
+    # JAX's coordination service crashes the process (SIGSEGV) when its port is taken.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        tf_config = {
+            "cluster": {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]},
+            "task": {"type": "worker", "index": 0},
+        }
+        completed = subprocess.run(
+            [sys.executable, "-c", "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy()"],
+            env=worker_environment(tf_config, 1, None),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    assert (
+        f"RuntimeError: MultiWorkerMirroredStrategy(): this is process 0, which serves the job's coordinator at "
+        f"127.0.0.1:{port}, but port {port} is already in use on this host."
+    ) in completed.stderr
