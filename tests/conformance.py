@@ -418,6 +418,28 @@ class StrategyConformance:
         params = strategy.put({"w": np.ones((2, 3), np.float32), "b": 0.0, "step": np.int32(0)})
         assert_tree_on_strategy(params, strategy)
 
+    def test_values_that_32_bit_types_would_change_are_an_error(self, strategy):
+        # With jax_enable_x64 off, JAX would wrap 2**40 + 5 to 5 and turn 1e300 into inf.
+        with pytest.raises(
+            OverflowError,
+            match=r"put\(\): these values do not fit the 32-bit types.*\n  tree\['big'\] is int64 with the value 1099511627781, outside int32's -2147483648 to 2147483647\n.*jax_enable_x64",
+        ):
+            strategy.put({"big": np.array([2**40 + 5]), "fine": np.arange(3)})
+        with pytest.raises(OverflowError, match=r"tree\['n'\] is the Python int 1099511627776"):
+            strategy.put({"n": 2**40})
+        with pytest.raises(OverflowError, match=r"tree is float64 with the finite value 1e\+300"):
+            strategy.put(np.array([1e300, np.inf]))
+        with pytest.raises(
+            OverflowError,
+            match=r"(?s)experimental_distribute_values_from_function\(\): .*is uint64 with the value 8589934592",
+        ):
+            strategy.experimental_distribute_values_from_function(
+                lambda context: np.array([2**33], np.uint64)
+            )
+        assert strategy.experimental_local_results(strategy.put(np.array([2**31 - 1])))[0].tolist() == [
+            2**31 - 1
+        ]
+
     def test_init_creates_outputs_on_the_strategy(self, strategy):
         params = strategy.init(lambda key: {"w": jax.random.normal(key, (4, 4))}, jax.random.key(0))
         assert_tree_on_strategy(params, strategy)

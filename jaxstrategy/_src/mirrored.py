@@ -37,7 +37,12 @@ from jaxstrategy._src.per_replica import PerReplica, check_replica_count, compon
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
 from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like, require_array_leaves
+from jaxstrategy._src.tree_checks import (
+    PYTHON_SCALARS,
+    is_array_like,
+    require_array_leaves,
+    require_representable,
+)
 from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.variables import device_put_anywhere, private_copy
 
@@ -341,6 +346,8 @@ class MeshStrategy(Strategy):
         return len(self._local_devices) < len(self._devices)
 
     def _stack_components(self, replica_values: list[Any], where: str, caller: str) -> Any:
+        for i, v in zip(self._local_replica_ids, replica_values, strict=True):
+            require_representable(v, caller=caller, name=f"{where} of replica {i}")
         same_type = all(type(v) is type(replica_values[0]) for v in replica_values)
         if same_type and isinstance(replica_values[0], PYTHON_SCALARS) and not self._is_multi_process:
             # Stacked by jit, which keeps them weakly typed, as one device does (a float then

@@ -41,3 +41,55 @@ def require_array_leaves(tree: PyTree, *, caller: str, name: str = "value", why:
     ]
     if bad:
         raise TypeError(f"{caller}: every leaf must be an array{why}:{bullet_list(bad)}")
+
+
+_INT32 = np.iinfo(np.int32)
+_UINT32 = np.iinfo(np.uint32)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def require_representable(tree: PyTree, *, caller: str, name: str = "value") -> None:
+    """Raise an OverflowError that names every leaf whose values JAX would silently change.
+
+    With `jax_enable_x64` off (JAX's default), JAX stores 64-bit numbers in 32 bits: integers
+    outside int32's (uint32's) range wrap around, and finite floats beyond float32's range become
+    inf. Only host values are checked, JAX arrays being 32-bit already; Python ints are checked
+    too, so that the error names the leaf.
+    """
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on.
+        return
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        problem = _unrepresentable(leaf)
+        if problem:
+            bad.append(f"{format_path(name, path)} {problem}")
+    if bad:
+        raise OverflowError(
+            f"{caller}: these values do not fit the 32-bit types JAX uses while jax_enable_x64 is "
+            f"off, and would change silently:{bullet_list(bad)}\nCast them to a type that holds them, "
+            "or turn 64-bit types on with jax.config.update('jax_enable_x64', True) before using JAX."
+        )
+
+
+def _unrepresentable(leaf: Any) -> str | None:
+    """What JAX would change in `leaf` with 32-bit types, or None."""
+    if isinstance(leaf, bool) or not isinstance(leaf, int | np.ndarray | np.generic):
+        return None
+    if isinstance(leaf, int):  # Traced as a weakly typed int32.
+        if _INT32.min <= leaf <= _INT32.max:
+            return None
+        return f"is the Python int {leaf}, outside int32's {_INT32.min} to {_INT32.max}"
+    if leaf.dtype.itemsize != 8 or leaf.dtype.kind not in "iuf" or leaf.size == 0:
+        return None
+    if leaf.dtype.kind == "f":
+        floats = np.asarray(leaf)
+        finite = np.abs(floats[np.isfinite(floats)])
+        if finite.size == 0 or finite.max() <= _FLOAT32_MAX:
+            return None
+        return f"is float64 with the finite value {finite.max():g}, beyond float32's range (it would be inf)"
+    limits = _UINT32 if leaf.dtype.kind == "u" else _INT32
+    low, high = int(leaf.min()), int(leaf.max())
+    if limits.min <= low and high <= limits.max:
+        return None
+    values = f"the value {low}" if low == high else f"values from {low} to {high}"
+    return f"is {leaf.dtype} with {values}, outside {limits.dtype}'s {limits.min} to {limits.max}"

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxstrategy._src.tree_checks import is_array_like, require_array_leaves
+from jaxstrategy._src.tree_checks import is_array_like, require_array_leaves, require_representable
 from jaxstrategy._src.types import PyTree
 
 
@@ -27,6 +27,7 @@ def place_tree(
 
     Raises:
       TypeError: a leaf is not an array-like and `static_ok` is False; every such leaf is named.
+      OverflowError: a leaf's values do not fit JAX's 32-bit types (x64 off); each is named.
 
     Example:
       >>> import jax, numpy as np
@@ -37,6 +38,7 @@ def place_tree(
     """
     if not static_ok:
         require_array_leaves(tree, caller=caller, name="tree")
+    require_representable(tree, caller=caller, name="tree")
     leaves, treedef = jax.tree.flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if is_array_like(leaf)]
     arrays = [private_copy(leaves[i]) for i in positions]
