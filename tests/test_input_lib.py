@@ -341,3 +341,63 @@ def test_a_training_loop_over_a_distributed_dataset():
     np.testing.assert_allclose(w, [1.0, -2.0, 0.5], atol=1e-3)
     assert w.devices() == {strategy.device}
     assert isinstance(dataset, jaxstrategy.DistributedDataset)
+
+
+def _finishes_in_time(fn, timeout_s=THREAD_END_TIMEOUT_S):
+    """Run `fn` in a daemon thread and re-raise its error; False if it is still running after `timeout_s`."""
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as error:  # noqa: B036  Re-raised in the test's thread below.
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
+
+
+def test_a_pass_with_a_huge_buffer_size_ends_and_closes_quickly():
+    # Closing once released one semaphore slot per buffer entry: 18 s per pass at 10**7.
+    options = InputOptions(experimental_per_replica_buffer_size=10**9)
+    dataset = OneDeviceStrategy().experimental_distribute_dataset([np.full(2, i) for i in range(3)], options)
+    before = set(threading.enumerate())
+
+    def two_passes():
+        assert [x.tolist() for x in dataset] == [[0, 0], [1, 1], [2, 2]]
+        with iter(dataset) as iterator:
+            next(iterator)
+
+    assert _finishes_in_time(two_passes), "a pass with a huge buffer did not end in time"
+    _wait_for_prefetch_threads_to_end(before)
+
+
+@pytest.mark.parametrize("buffer_size", [0, 2])
+def test_threads_sharing_one_iterator_each_get_different_batches_and_all_see_the_end(buffer_size):
+    options = InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    source = (np.full(1, i) for i in range(200))
+    iterator = iter(OneDeviceStrategy().experimental_distribute_dataset(source, options))
+    taken = [[] for _ in range(4)]
+    ended_with: list[BaseException | None] = [None] * 4
+    start = threading.Barrier(4)
+
+    def drain(i):
+        start.wait()
+        try:
+            while True:
+                taken[i].append(int(iterator.get_next()[0]))
+        except BaseException as error:  # noqa: B036  Checked below.
+            ended_with[i] = error
+
+    threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_END_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a consumer thread did not finish"
+    assert all(isinstance(error, jaxstrategy.OutOfRangeError) for error in ended_with), ended_with
+    assert sorted(x for mine in taken for x in mine) == list(range(200)), "every batch exactly once"

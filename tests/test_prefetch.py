@@ -181,3 +181,109 @@ def test_peek_does_not_consume():
     assert list(iterator) == [7, 8]
     with pytest.raises(StopIteration):
         iterator.peek()
+
+
+def _finishes_in_time(fn, timeout_s=THREAD_END_TIMEOUT_S):
+    """Run `fn` in a daemon thread and re-raise its error; False if it is still running after `timeout_s`.
+
+    A hang then fails the test instead of stalling the test run.
+    """
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as error:  # noqa: B036  Re-raised in the test's thread below.
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize("buffer_size", [2, 10**12], ids=["small", "huge"])
+def test_closing_takes_no_time_proportional_to_the_buffer_size(buffer_size):
+    # Releasing a slot per buffer entry at close took 18 s at 10**7; 10**12 would take days.
+    def whole_pass():
+        iterator = PrefetchIterator(iter(range(3)), put=lambda x: x, buffer_size=buffer_size)
+        assert list(iterator) == [0, 1, 2]
+        iterator.close()
+        _wait_until_ended(iterator.thread)
+
+    def closed_mid_pass():
+        iterator = PrefetchIterator(iter(range(10**9)), put=lambda x: x, buffer_size=buffer_size)
+        assert next(iterator) == 0
+        iterator.close()
+        _wait_until_ended(iterator.thread)
+
+    assert _finishes_in_time(whole_pass), "a pass did not end and close in time"
+    assert _finishes_in_time(closed_mid_pass), "closing mid-pass did not end in time"
+
+
+def _drain_from_threads(iterator, num_threads, take):
+    """Drain `iterator` from `num_threads` threads at once with `take(iterator)`.
+
+    Returns the elements each thread took, and the exception each ended with.
+    """
+    taken = [[] for _ in range(num_threads)]
+    ended_with: list[BaseException | None] = [None] * num_threads
+    start = threading.Barrier(num_threads)
+
+    def drain(i):
+        start.wait()
+        try:
+            while True:
+                taken[i].append(take(iterator))
+        except BaseException as error:  # noqa: B036  Checked by the test.
+            ended_with[i] = error
+
+    threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_END_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a consumer thread did not finish"
+    return taken, ended_with
+
+
+@pytest.mark.parametrize("buffer_size", [0, 1, 2])
+def test_threads_sharing_one_iterator_each_take_different_elements_and_all_see_the_end(buffer_size):
+    source = (x for x in range(200))  # A generator: reading it from two threads at once is an error.
+    iterator = PrefetchIterator(source, put=lambda x: x, buffer_size=buffer_size)
+    taken, ended_with = _drain_from_threads(iterator, 4, next)
+    assert all(isinstance(error, StopIteration) for error in ended_with), ended_with
+    assert sorted(x for mine in taken for x in mine) == list(range(200)), "every element exactly once"
+    if iterator.thread is not None:
+        _wait_until_ended(iterator.thread)
+
+
+def test_close_from_another_thread_ends_a_waiting_next():
+    release_source = threading.Event()
+
+    def source():
+        yield 0
+        release_source.wait(THREAD_END_TIMEOUT_S)  # Nothing arrives while the consumer waits.
+        yield 1
+
+    iterator = PrefetchIterator(source(), put=lambda x: x, buffer_size=2)
+    assert next(iterator) == 0
+    waiter_ended_with = []
+
+    def wait_for_next():
+        try:
+            next(iterator)
+        except BaseException as error:  # noqa: B036  Checked below.
+            waiter_ended_with.append(error)
+
+    waiter = threading.Thread(target=wait_for_next, daemon=True)
+    waiter.start()
+    time.sleep(0.1)  # Let it wait for an element.
+    iterator.close()
+    waiter.join(THREAD_END_TIMEOUT_S)
+    assert not waiter.is_alive(), "close() did not end a next() waiting in another thread"
+    assert len(waiter_ended_with) == 1 and isinstance(waiter_ended_with[0], StopIteration)
+    release_source.set()
+    _wait_until_ended(iterator.thread)

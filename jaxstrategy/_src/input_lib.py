@@ -390,7 +390,8 @@ class DistributedIterator:
 
     Iterate it, or call `get_next()` (which raises `OutOfRangeError` at the end, where `next()`
     raises StopIteration) or `get_next_as_optional()`. `close()` (or leaving a `with` block, or
-    dropping the iterator) stops the thread.
+    dropping the iterator) stops the thread. Threads may share an iterator: each batch goes to
+    one of them, and the end to all of them.
 
     Example:
       >>> import numpy as np, jaxstrategy
@@ -408,6 +409,9 @@ class DistributedIterator:
         self._prefetch = prefetch
         self._batches = batches
         self._previous_differed = False
+        # Threads sharing the iterator take batches one at a time, so that the shape checks see
+        # them in the order they were delivered.
+        self._lock = threading.Lock()
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -418,8 +422,9 @@ class DistributedIterator:
                 "next(iterator) should be called outside the function given to run(), e.g. "
                 "strategy.run(step_fn, args=(next(iterator),))."
             )
-        batch = self._next_batch()
-        self._previous_differed = self._batches.differs(batch, previous_differed=self._previous_differed)
+        with self._lock:
+            batch = self._next_batch()
+            self._previous_differed = self._batches.differs(batch, previous_differed=self._previous_differed)
         return batch.value
 
     def _next_batch(self) -> _Batch:
@@ -460,7 +465,8 @@ class DistributedIterator:
         """
         if self._batches.element_spec is None:
             try:
-                self._batches.record(self._peek_batch())
+                with self._lock:
+                    self._batches.record(self._peek_batch())
             except StopIteration:
                 raise ValueError(
                     "This distributed dataset is empty (or InputOptions(partial_batch='drop') dropped "
