@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxstrategy._src import contexts
+from jaxstrategy._src import contexts, nnx_objects
 from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
 from jaxstrategy._src.input_lib import DistributedDataset, ReplicaLayout
@@ -300,11 +300,27 @@ class Strategy(abc.ABC):
             raise TypeError(
                 f"{type(self).__name__}.run(): options must be a jaxstrategy.RunOptions; got {options!r}."
             )
+        caller = f"{type(self).__name__}.run()"
         contexts.require_cross_replica_context(
-            self,
-            f"{type(self).__name__}.run()",
-            in_run_hint="Call the inner function directly instead of through run().",
+            self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
+        if nnx_objects.holds_objects((args, kwargs)):
+            if options is not None and (
+                options.donate_argnums
+                or options.donate_argnames
+                or options.static_argnums
+                or options.static_argnames
+            ):
+                raise ValueError(
+                    f"{caller}: RunOptions' donated and static arguments cannot be combined with Flax "
+                    "NNX objects among the arguments (their state is passed for them). Leave those "
+                    "options out, or pass the objects' state (nnx.split) in their place."
+                )
+
+            def run_state(fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
+                return self._run_steps(fn, args, kwargs, None)
+
+            return nnx_objects.run_with_objects(run_state, fn, args, kwargs, caller)
         return self._run_steps(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
@@ -477,7 +493,13 @@ class Strategy(abc.ABC):
         """
         caller = f"{type(self).__name__}.put()"
         contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
-        return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
+
+        def place(tree: PyTree) -> PyTree:
+            return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
+
+        if nnx_objects.holds_objects(tree):
+            return nnx_objects.put_objects(tree, place)
+        return place(tree)
 
     def init(self, fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
         """Return `fn(*args, **kwargs)` compiled, its outputs created directly on `self.sharding`.
