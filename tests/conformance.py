@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from training_reference import OPTIMIZERS, reference_training, strategy_training, training_batches
+from flax import nnx
+from training_reference import (
+    OPTIMIZERS,
+    flax_docs_objects,
+    flax_docs_train_step,
+    nnx_jit_training,
+    reference_training,
+    strategy_training,
+    training_batches,
+)
 
 import jaxstrategy
 from jaxstrategy import ReduceOp
@@ -543,3 +552,28 @@ class StrategyConformance:
         losses, params = strategy_training(strategy, optax.sgd(0.1), batches, "masked", options)
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
+
+    # --- Flax NNX objects --------------------------------------------------------------------
+
+    def test_the_flax_docs_loop_runs_unchanged_and_matches_nnx_jit(self, strategy):
+        batches = training_batches([16, 16, 16, 16])
+        expected_losses, expected_model = nnx_jit_training(batches)
+        model, optimizer = flax_docs_objects()
+        assert strategy.put(model) is model and strategy.put(optimizer) is optimizer
+        losses = []
+        with jax.numpy_dtype_promotion("standard"):
+            for batch in strategy.experimental_distribute_dataset(batches):
+                losses.append(float(strategy.run(flax_docs_train_step, args=(model, optimizer, batch))))
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        chex.assert_trees_all_close(
+            jax.tree.map(np.asarray, strategy.experimental_local_results(nnx.state(model, nnx.Param))[0]),
+            jax.tree.map(np.asarray, nnx.state(expected_model, nnx.Param)),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert int(optimizer.step[...]) == len(batches)
+        # The key counter advanced once per step, as under nnx.jit.
+        initial_count = int(flax_docs_objects()[0].rngs.default.count[...])
+        assert int(expected_model.rngs.default.count[...]) == initial_count + len(batches)
+        assert int(model.rngs.default.count[...]) == initial_count + len(batches)
+        assert_tree_on_strategy(nnx.state((model, optimizer)), strategy)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import jaxstrategy
 from jaxstrategy.testing import assert_tree_on_strategy
@@ -102,3 +103,50 @@ def train_step(params, opt_state, batch, *, tx, idiom):
         loss, grads = context.all_reduce("sum", (loss, grads))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+# --- the training loop of Flax's documentation, with NNX objects ---------------------------------
+
+
+class FlaxDocsMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(5, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        # A key drawn each call, as dropout would, so the Rngs counter must advance; times zero,
+        # so the numbers stay comparable with one device's (dropout masks depend on the split).
+        noise = jax.random.normal(self.rngs(), ()) * 0.0
+        return self.out(nnx.tanh(self.hidden(x)))[:, 0] + noise
+
+
+def flax_docs_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def flax_docs_train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(flax_docs_loss)(model, batch)
+    # The one line a replica adds; on one device it changes nothing.
+    loss, grads = jaxstrategy.get_replica_context().all_reduce("mean", (loss, grads))
+    optimizer.update(model, grads)  # In place.
+    return loss
+
+
+@nnx.jit
+def _nnx_jit_train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(flax_docs_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def flax_docs_objects():
+    model = FlaxDocsMLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+
+def nnx_jit_training(batches):
+    """The reference: Flax's loop under `nnx.jit`, on each whole global batch."""
+    model, optimizer = flax_docs_objects()
+    losses = [float(_nnx_jit_train_step(model, optimizer, batch)) for batch in batches]
+    return losses, model

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from jaxstrategy._src.errors import bullet_list
+from jaxstrategy._src.errors import bullet_list, format_argument_path
 from jaxstrategy._src.per_replica import PerReplica, is_per_replica
 from jaxstrategy._src.types import PyTree
 
@@ -58,21 +58,25 @@ class _Holes:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _split_objects(tree: PyTree) -> tuple[tuple[Any, ...], list[Any], _Holes]:
+def _split_objects(tree: PyTree) -> tuple[tuple[Any, ...], list[Any], _Holes, list[Any]]:
+    """The objects among the leaves of `tree`, its other leaves, where the objects go, and the
+    objects' key paths."""
     is_node = _nnx().graph.is_graph_node
     # A PerReplica stays whole: `run` gives each replica its component.
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: is_node(x) or isinstance(x, PerReplica))
-    positions = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
-    objects = tuple(leaves[i] for i in positions)
-    others = [leaf for i, leaf in enumerate(leaves) if i not in positions]
-    return objects, others, _Holes(treedef, positions)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_node(x) or isinstance(x, PerReplica)
+    )
+    positions = tuple(i for i, (_, leaf) in enumerate(path_leaves) if is_node(leaf))
+    objects = tuple(path_leaves[i][1] for i in positions)
+    others = [leaf for i, (_, leaf) in enumerate(path_leaves) if i not in positions]
+    return objects, others, _Holes(treedef, positions), [path_leaves[i][0] for i in positions]
 
 
 def put_objects(tree: PyTree, place: Callable[[PyTree], PyTree]) -> PyTree:
     """Place the state of the objects in `tree`, and its other leaves, with `place`; the objects
     are updated in place and `tree` comes back holding the same objects."""
     nnx = _nnx()
-    objects, others, holes = _split_objects(tree)
+    objects, others, holes, _ = _split_objects(tree)
     state, placed_others = place((nnx.state(objects), others))
     nnx.update(objects, state)
     return holes.fill(objects, placed_others)
@@ -95,7 +99,7 @@ def run_with_objects(
       caller: the call to name in messages.
     """
     nnx = _nnx()
-    objects, others, holes = _split_objects((args, kwargs))
+    objects, others, holes, object_paths = _split_objects((args, kwargs))
     graphdef, state = nnx.split(objects)
     static = {"fn": fn, "graphdef": graphdef, "holes": holes, "caller": caller}
     outputs, new_state = run(_call_with_objects, (state, others), static)
@@ -105,7 +109,7 @@ def run_with_objects(
         if isinstance(leaf, PerReplica)
     ]
     if replicas_differ:
-        names = [_variable_name(path) for path in replicas_differ]
+        names = [_variable_name(path, object_paths) for path in replicas_differ]
         raise ValueError(
             f"{caller}: fn updated these Variables of its Flax NNX arguments with values that may "
             f"differ between replicas:{bullet_list(names)}\nA Variable holds one value for every "
@@ -136,8 +140,10 @@ def _call_with_objects(
     return outputs, new_state
 
 
-def _variable_name(path: tuple[Any, ...]) -> str:
-    """`args[0].linear.kernel`-style name of a state leaf: its object's position among the
-    call's objects, then its attributes."""
-    index, *attributes = (getattr(key, "key", getattr(key, "idx", key)) for key in path)
-    return f"object {index}: " + ".".join(str(a) for a in attributes if a != "value")
+def _variable_name(path: tuple[Any, ...], object_paths: list[Any]) -> str:
+    """A state leaf's name as the caller writes it, such as `args[0].linear.kernel`: where its
+    object was among the arguments, then its attributes."""
+    index, *attributes = (getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))) for key in path)
+    return ".".join(
+        [format_argument_path(object_paths[index]), *(str(a) for a in attributes if a != "value")]
+    )

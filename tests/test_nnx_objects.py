@@ -1,0 +1,167 @@
+"""Flax NNX objects through `put` and `run`: updated in place as under `nnx.jit`, and the errors
+where that cannot hold. (The Flax-docs training loop on every strategy is in conformance.py.)"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxstrategy
+from jaxstrategy import MirroredStrategy, OneDeviceStrategy, RunOptions
+from jaxstrategy.testing import assert_tree_on_strategy
+
+
+@pytest.fixture
+def four(cpu_devices):
+    return MirroredStrategy(cpu_devices[:4])
+
+
+def _batch(strategy, size=8, seed=0):
+    rng = np.random.default_rng(seed)
+    batch = {
+        "x": rng.normal(size=(size, 3)).astype(np.float32),
+        "y": rng.normal(size=size).astype(np.float32),
+    }
+    return next(iter(strategy.experimental_distribute_dataset([batch]))), batch
+
+
+def _own_gradient_step(model, optimizer, batch):
+    grads = nnx.grad(lambda m: jnp.mean((m(batch["x"])[:, 0] - batch["y"]) ** 2))(model)
+    optimizer.update(model, grads)  # Each replica's own gradient: not all-reduced.
+
+
+def test_updates_that_differ_between_replicas_are_an_error_and_change_nothing(four):
+    model = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    optimizer = four.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    before = np.asarray(model.kernel[...]).copy()
+    batch, _ = _batch(four)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)MirroredStrategy.run\(\): fn updated these Variables of its Flax NNX arguments with values "
+        r"that may differ between replicas:\n  args\[0\].bias\n  args\[0\].kernel\n.*all_reduce\('mean', grads\)",
+    ):
+        four.run(_own_gradient_step, args=(model, optimizer, batch))
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)
+    assert int(optimizer.step[...]) == 0
+
+
+def test_one_device_takes_the_replica_s_own_gradient(strategy_cpu1):
+    model = strategy_cpu1.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    batch, _ = _batch(strategy_cpu1)
+    strategy_cpu1.run(_own_gradient_step, args=(model, optimizer, batch))
+    assert int(optimizer.step[...]) == 1
+    assert_tree_on_strategy(nnx.state(model), strategy_cpu1)
+
+
+class _Normalised(nnx.Module):
+    def __init__(self, axis_name):
+        self.norm = nnx.BatchNorm(3, axis_name=axis_name, momentum=0.5, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.norm(x)
+
+
+def _normalise(model, batch):
+    return jnp.sum(model(batch["x"]))
+
+
+def test_batch_norm_over_the_replica_axis_keeps_the_global_batch_statistics(four):
+    _, host = _batch(four)
+    expected = _Normalised(axis_name=None)
+    nnx.jit(_normalise)(expected, host)
+    model = four.put(_Normalised(axis_name="replica"))
+    batch, _ = _batch(four)
+    four.run(_normalise, args=(model, batch))
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(model.norm, name)[...]),
+            np.asarray(getattr(expected.norm, name)[...]),
+            rtol=1e-5,
+        )
+    assert_tree_on_strategy(nnx.state(model), four)
+
+
+def test_batch_norm_without_the_replica_axis_is_the_clear_error(four):
+    model = four.put(_Normalised(axis_name=None))
+    batch, _ = _batch(four)
+    with pytest.raises(
+        ValueError, match=r"(?s)\n  args\[0\].norm.mean\n  args\[0\].norm.var\n.*axis_name='replica'"
+    ):
+        four.run(_normalise, args=(model, batch))
+
+
+class _Growing(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+
+
+def _grow(model):
+    model.extra = nnx.Param(jnp.zeros(2))
+
+
+def test_changing_the_objects_structure_inside_run_is_an_error(four):
+    model = four.put(_Growing())
+    with pytest.raises(
+        ValueError, match=r"fn changed the structure of its Flax NNX arguments.*create them before"
+    ):
+        four.run(_grow, args=(model,))
+    assert not hasattr(model, "extra")
+
+
+class _Pair(nnx.Module):
+    def __init__(self, shared):
+        self.shared = shared
+
+
+def _bump(first, second):
+    first.shared.w[...] = first.shared.w[...] + 1
+    return second.shared.w[...]
+
+
+def test_objects_sharing_a_submodule_stay_shared(four):
+    shared = _Growing()
+    first, second = _Pair(shared), _Pair(shared)
+    four.put((first, second))
+    seen = four.run(_bump, args=(first, second))
+    assert first.shared is second.shared is shared
+    assert np.asarray(seen).tolist() == [2.0, 2.0]  # The change through one was seen through the other.
+    assert np.asarray(shared.w[...]).tolist() == [2.0, 2.0]
+
+
+def test_a_step_with_objects_traces_once(four):
+    traces = []
+
+    def step(model, batch):
+        traces.append(1)
+        model.w[...] = model.w[...] + jaxstrategy.get_replica_context().all_reduce("sum", jnp.sum(batch["y"]))
+
+    model = four.put(_Growing())
+    for seed in range(3):
+        batch, _ = _batch(four, seed=seed)
+        four.run(step, args=(model, batch))
+    assert len(traces) == 1
+
+
+def test_put_places_in_place_beside_other_leaves(four):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    placed = four.put({"model": model, "scale": np.float32(2)})
+    assert placed["model"] is model
+    assert_tree_on_strategy({"state": nnx.state(model), "scale": placed["scale"]}, four)
+
+
+def test_donation_and_static_options_are_refused_with_objects():
+    model = OneDeviceStrategy().put(_Growing())
+    with pytest.raises(
+        ValueError, match=r"donated and static arguments cannot be combined with Flax NNX objects"
+    ):
+        OneDeviceStrategy().run(_grow, args=(model,), options=RunOptions(donate_argnums=0))
+
+
+def test_a_module_built_by_init_lands_on_the_strategy(four):
+    model = four.init(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    assert isinstance(model, nnx.Linear)
+    assert_tree_on_strategy(nnx.state(model), four)
