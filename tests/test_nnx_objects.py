@@ -165,3 +165,19 @@ def test_a_module_built_by_init_lands_on_the_strategy(four):
     model = four.init(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     assert isinstance(model, nnx.Linear)
     assert_tree_on_strategy(nnx.state(model), four)
+
+
+def _add_one(model):
+    model.w[...] = model.w[...] + 1
+
+
+def test_objects_changed_between_steps_are_seen(four):
+    model = four.put(_Growing())
+    four.run(_add_one, args=(model,))
+    model.w = four.put(nnx.Param(jnp.full(2, 10.0)))  # A new Variable, outside run.
+    four.run(_add_one, args=(model,))
+    assert np.asarray(model.w[...]).tolist() == [11.0, 11.0]
+    other = four.put(_Growing())  # Another object of the same structure.
+    four.run(_add_one, args=(other,))
+    assert np.asarray(other.w[...]).tolist() == [2.0, 2.0]
+    assert np.asarray(model.w[...]).tolist() == [11.0, 11.0]

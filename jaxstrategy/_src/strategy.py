@@ -304,7 +304,8 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
-        if nnx_objects.holds_objects((args, kwargs)):
+        found = nnx_objects.find_objects((args, kwargs))
+        if found is not None:
             if options is not None and (
                 options.donate_argnums
                 or options.donate_argnames
@@ -320,7 +321,7 @@ class Strategy(abc.ABC):
             def run_state(fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
                 return self._run_steps(fn, args, kwargs, None)
 
-            return nnx_objects.run_with_objects(run_state, fn, args, kwargs, caller)
+            return nnx_objects.run_with_objects(run_state, fn, found, caller)
         return self._run_steps(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
@@ -497,9 +498,8 @@ class Strategy(abc.ABC):
         def place(tree: PyTree) -> PyTree:
             return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
 
-        if nnx_objects.holds_objects(tree):
-            return nnx_objects.put_objects(tree, place)
-        return place(tree)
+        found = nnx_objects.find_objects(tree)
+        return place(tree) if found is None else nnx_objects.put_objects(found, place)
 
     def init(self, fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
         """Return `fn(*args, **kwargs)` compiled, its outputs created directly on `self.sharding`.

@@ -1,0 +1,139 @@
+"""Measure a training step that takes Flax NNX objects through `strategy.run`, updated in place.
+
+The workload is the input-pipeline benchmark's MLP 784-512-512-10 with adam and a batch of 128,
+already on the device, on `OneDeviceStrategy`. Four ways to run the same step are timed:
+
+* pytree: the input-pipeline benchmark's step, which takes the parameters (`nnx.split` once,
+  `nnx.merge` inside) and optax's state as pytrees and returns the new ones, through
+  `strategy.run`: jaxstrategy's other style.
+* objects: the step as Flax's documentation writes it (`optimizer.update(model, grads)` in
+  place, returning the loss), with the objects passed to `strategy.run`.
+* nnx.jit: the same step under `nnx.jit`, with the same objects.
+* cached_partial: `nnx.cached_partial(nnx.jit(step), model, optimizer)`, Flax's fast path for a
+  loop that always passes the same objects.
+
+Each pair is timed side by side (alternating which goes first), with a batch of calls per round
+and one wait at the end of each batch; the tables give per-call medians and the median of the
+per-round ratios (see bench_util.py). Goals: objects at most 1.10x pytree, and faster than
+plain `nnx.jit`. The script exits non-zero if a step was traced more than once.
+
+    python bench/nnx.py            # the full benchmark
+    python bench/nnx.py --quick    # a smoke test with a few rounds
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from bench_util import count_compiles, measure, parse_rounds, print_table
+from flax import nnx
+from input_pipeline import MLP, make_workload, random_batch
+
+import jaxstrategy
+
+GOAL_OVER_PYTREE = 1.10
+FULL_ROUNDS = 20
+QUICK_ROUNDS = 3
+CALLS = 20
+TRACES: collections.Counter[str] = collections.Counter()
+Loop = Callable[[int], float]
+
+
+def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def objects_step(variant: str) -> Callable[..., jax.Array]:
+    def step(model: MLP, optimizer: nnx.Optimizer, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+        TRACES[variant] += 1
+        loss, grads = nnx.value_and_grad(loss_fn)(model, *batch)
+        loss, grads = jaxstrategy.get_replica_context().all_reduce("mean", (loss, grads))
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+def new_objects() -> tuple[MLP, nnx.Optimizer]:
+    model = MLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def timed(call: Callable[[], Any]) -> Loop:
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            out = call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    return loop
+
+
+def loops(strategy: jaxstrategy.OneDeviceStrategy, batch: Any) -> dict[str, Loop]:
+    # pytree: the input-pipeline benchmark's step, parameters and optax state in and out.
+    workload = make_workload()
+    holder = {"state": strategy.put(workload.initial)}
+
+    def pytree_call() -> jax.Array:
+        params, opt_state, loss = strategy.run(workload.step, args=(*holder["state"], batch))
+        holder["state"] = (params, opt_state)
+        return loss
+
+    # objects: Flax's loop through run.
+    run_model, run_optimizer = strategy.put(new_objects())
+    run_step = objects_step("objects")
+
+    def objects_call() -> jax.Array:
+        return strategy.run(run_step, args=(run_model, run_optimizer, batch))
+
+    # nnx.jit, and its cached partial, on the same device.
+    jit_model, jit_optimizer = strategy.put(new_objects())
+    jit_step = nnx.jit(objects_step("nnx.jit"))
+    cached_model, cached_optimizer = strategy.put(new_objects())
+    cached_step = nnx.cached_partial(nnx.jit(objects_step("cached_partial")), cached_model, cached_optimizer)
+    return {
+        "pytree": timed(pytree_call),
+        "objects": timed(objects_call),
+        "nnx.jit": timed(lambda: jit_step(jit_model, jit_optimizer, batch)),
+        "cached_partial": timed(lambda: cached_step(batch)),
+    }
+
+
+def main() -> None:
+    rounds = parse_rounds(__doc__.splitlines()[0], full=FULL_ROUNDS, quick=QUICK_ROUNDS)
+    strategy = jaxstrategy.OneDeviceStrategy()
+    batch = strategy.put(random_batch(np.random.default_rng(0)))
+    # Outside every scope (nnx.jit's steps would find no replica context in one); every object
+    # and the batch are committed to the strategy's device, so every variant computes there.
+    timed_loops = loops(strategy, batch)
+    for loop in timed_loops.values():  # Warm up: compile each once.
+        loop(3)
+    compiles = count_compiles()
+    results = [
+        measure("step, vs pytree", timed_loops["pytree"], timed_loops["objects"], CALLS, rounds),
+        measure("step, vs nnx.jit", timed_loops["nnx.jit"], timed_loops["objects"], CALLS, rounds),
+        measure("step, vs cached", timed_loops["cached_partial"], timed_loops["objects"], CALLS, rounds),
+    ]
+    print(f"jax {jax.__version__}; {strategy!r}; MLP 784-512-512-10, adam, batch 128; {rounds} rounds\n")
+    print("Objects through run (other) against each way (base):")
+    over_pytree, over_jit, over_cached = print_table(results, ("base", "objects"))
+    print(f"\ntraces: {dict(sorted(TRACES.items()))}; XLA compiles while timed: {compiles['backend']}")
+    print(
+        f"goal objects/pytree <= {GOAL_OVER_PYTREE:.2f}: {'met' if over_pytree <= GOAL_OVER_PYTREE else 'NOT met'} "
+        f"({over_pytree:.3f}); faster than nnx.jit: {'met' if over_jit < 1 else 'NOT met'} ({over_jit:.3f}); "
+        f"against nnx.cached_partial: {over_cached:.3f}"
+    )
+    if any(count != 1 for count in TRACES.values()) or compiles["backend"]:
+        sys.exit(f"a step was traced more than once: {dict(TRACES)}")
+
+
+if __name__ == "__main__":
+    main()
