@@ -216,11 +216,11 @@ class Strategy(abc.ABC):
 
         `fn` is traced and compiled once per strategy (a bound method passed afresh each step
         counts as the same function) and replayed afterwards, so Python side effects in `fn` happen
-        only while it is traced. State goes in and comes out: as with `jax.jit`, changes `fn` makes
-        in place to its arguments (an `nnx.Optimizer.update`, say) are not carried back, so
-        return the new state and rebind it. Likewise a bound method's object is read when the
-        method is traced: later changes to its attributes are not seen. While traced, `fn` runs
-        in the replica context:
+        only while it is traced. Flax NNX objects among the arguments (a Module, an Optimizer,
+        `nnx.Rngs`) are updated in place, as under `nnx.jit`: after `run` they hold what `fn` left
+        in their Variables. Every other argument is a value: return new state and rebind it. A
+        bound method's object is read when the method is traced: later changes to its
+        attributes are not seen. While traced, `fn` runs in the replica context:
         `jaxstrategy.get_replica_context()` gives the replica id and collectives.
 
         Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced
@@ -245,7 +245,9 @@ class Strategy(abc.ABC):
         Raises:
           TypeError: `fn` is not callable; `kwargs` or `options` has the wrong type; an argument
             that is not an array is not hashable (each such argument is named by path).
-          ValueError: `args` is not a tuple or list; a donated array is passed twice.
+          ValueError: `args` is not a tuple or list; a donated array is passed twice; `fn`
+            updates an NNX object with values that may differ between replicas, or changes an
+            object's structure (adds an attribute or a Variable).
           StrategyContextError: called inside `run`, or inside another strategy's scope.
 
         Example:
@@ -254,6 +256,17 @@ class Strategy(abc.ABC):
           >>> out = strategy.run(lambda x, scale: {'y': x * scale}, args=(3,), kwargs={'scale': 2.0})
           >>> out['y'].tolist(), out['y'].committed
           (6.0, True)
+
+          An NNX object is updated in place:
+
+          >>> from flax import nnx
+          >>> counter = strategy.put(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+          >>> def add_one(layer):
+          ...     layer.bias[...] = layer.bias[...] + 1
+          >>> for _ in range(3):
+          ...     strategy.run(add_one, args=(counter,))
+          >>> counter.bias[...].tolist()
+          [3.0]
         """
         # The hot path, kept to a few checks (see step_cache.py): a function already compiled for
         # array arguments, called with a tuple of them, outside run and any other strategy's scope.
@@ -476,7 +489,8 @@ class Strategy(abc.ABC):
         """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.
 
         On `MirroredStrategy` a `PerReplica` leaf stays one component per replica, split over
-        them; every other leaf is replicated.
+        them; every other leaf is replicated. A Flax NNX object (a Module, an Optimizer) in
+        `tree` has its Variables committed in place and is returned itself.
 
         Numpy leaves bound for a CPU device are copied, because JAX may otherwise share their
         memory and a later write to the numpy array would change the variable.
