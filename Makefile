@@ -36,6 +36,7 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/mirrored.py
 	$(BIN)/python bench/multi_worker.py
+	$(BIN)/python bench/nnx.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output

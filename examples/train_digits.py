@@ -3,10 +3,10 @@
 A flax nnx MLP learns scikit-learn's bundled 8x8 digits (1,797 images; no download) on one device,
 or with `--replicas N` on N devices through MirroredStrategy: only the constructor changes.
 Batches come through `strategy.experimental_distribute_dataset`, which prefetches them onto the
-device from a background thread; each training step is a function of arrays compiled once by
-`strategy.run`; a `checkpoint.Checkpointer` saves the model and optimizer state every epoch in the
-background; at the end the newest checkpoint is restored onto the strategy and evaluated again,
-and the loss curve is written as a PNG.
+device from a background thread; each training step updates the model and its optimizer in
+place, as Flax writes it, compiled once by `strategy.run`; a `checkpoint.Checkpointer` saves
+the model and optimizer every epoch in the background; at the end the newest checkpoint is
+restored into fresh objects and evaluated again, and the loss curve is written as a PNG.
 
     make demo                                   # CPU, 10 epochs, well under a minute
     python examples/train_digits.py --help      # every flag
@@ -131,34 +131,36 @@ def load_data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     return train_test_split(images, labels, test_size=0.2, random_state=seed, stratify=labels)
 
 
-def make_steps(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
-    """The training and evaluation steps: pure functions of arrays, for `strategy.run`."""
+def train_step(model: MLP, optimizer: nnx.Optimizer, batch: Any) -> jax.Array:
+    """One step, as Flax's documentation writes it: `model` and `optimizer` are updated in place."""
+    (images, labels), mask = batch  # The mask marks the real examples of a padded batch.
+    context = jaxstrategy.get_replica_context()
+    # Each replica divides its examples' summed loss by the number of examples in the whole
+    # batch, and the replicas' gradients are summed: the gradient of the batch's mean loss, on any
+    # number of replicas (TensorFlow's idiom; on one device the sums are no-ops).
+    examples = context.all_reduce("sum", jnp.sum(mask, dtype=jnp.int32))
 
-    def train_step(state: nnx.State, opt_state: Any, batch: Any) -> tuple[Any, ...]:
-        (images, labels), mask = batch  # The mask marks the real examples of a padded batch.
-        context = jaxstrategy.get_replica_context()
-        # Each replica divides its examples' summed loss by the number of examples in the whole
-        # batch, and the replicas' gradients are summed: the gradient of the batch's mean loss,
-        # on any number of replicas (TensorFlow's idiom; on one device the sums are no-ops).
-        examples = context.all_reduce("sum", jnp.sum(mask, dtype=jnp.int32))
+    def loss_fn(model: MLP) -> jax.Array:
+        per_example = optax.softmax_cross_entropy_with_integer_labels(model(images), labels)
+        return jaxstrategy.nn.compute_average_loss(
+            per_example, sample_weight=mask, global_batch_size=examples
+        )
 
-        def loss_fn(state: nnx.State) -> jax.Array:
-            logits = nnx.merge(graphdef, state)(images)
-            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-            return jaxstrategy.nn.compute_average_loss(
-                per_example, sample_weight=mask, global_batch_size=examples
-            )
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    loss, grads = context.all_reduce("sum", (loss, grads))
+    optimizer.update(model, grads)
+    return loss
 
-        loss, grads = jax.value_and_grad(loss_fn)(state)
-        loss, grads = context.all_reduce("sum", (loss, grads))
-        updates, opt_state = optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, loss
 
-    def accuracy(state: nnx.State, images: jax.Array, labels: jax.Array) -> jax.Array:
-        predictions = jnp.argmax(nnx.merge(graphdef, state)(images), axis=-1)
-        return jnp.mean(predictions == labels)
+def accuracy(model: MLP, images: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.argmax(model(images), axis=-1) == labels)
 
-    return train_step, accuracy
+
+def new_model(args: argparse.Namespace, strategy: jaxstrategy.Strategy) -> tuple[MLP, nnx.Optimizer]:
+    """The model and its optimizer, their Variables committed to the strategy's devices."""
+    model = strategy.put(MLP(args.hidden, nnx.Rngs(args.seed)))
+    optimizer = OPTIMIZERS[args.optimizer](args.learning_rate)
+    return model, strategy.put(nnx.Optimizer(model, optimizer, wrt=nnx.Param))
 
 
 def make_strategy(args: argparse.Namespace) -> jaxstrategy.OneDeviceStrategy | jaxstrategy.MirroredStrategy:
@@ -175,11 +177,7 @@ def train(args: argparse.Namespace) -> float:
     train_images, test_images, train_labels, test_labels = load_data(args.seed)
     print(f"{strategy!r}: {len(train_labels)} training and {len(test_labels)} test images")
 
-    graphdef, state = nnx.split(MLP(args.hidden, nnx.Rngs(args.seed)))
-    optimizer = OPTIMIZERS[args.optimizer](args.learning_rate)
-    state = strategy.put(state)  # The parameters, committed to the device.
-    opt_state = strategy.init(optimizer.init, state)  # The optimizer's state, created there directly.
-    train_step, accuracy = make_steps(graphdef, optimizer)
+    model, optimizer = new_model(args, strategy)
     batches = ShuffledBatches(train_images, train_labels, args.batch_size, args.seed)
     # A last batch that does not split over the replicas is padded, with a mask of its real examples.
     dataset = strategy.experimental_distribute_dataset(batches, jaxstrategy.InputOptions(partial_batch="pad"))
@@ -190,10 +188,8 @@ def train(args: argparse.Namespace) -> float:
     with checkpoint.Checkpointer(checkpoints, max_to_keep=2) as checkpointer:
         start = checkpointer.latest_step()
         if start is not None:  # A previous run's checkpoints: continue from them.
-            restored = checkpointer.restore(
-                strategy=strategy, target={"model": state, "optimizer": opt_state}
-            )
-            state, opt_state = restored["model"], restored["optimizer"]
+            # Into the live objects, in place.
+            checkpointer.restore(strategy=strategy, target={"model": model, "optimizer": optimizer})
             print(f"resumed from the checkpoint of epoch {start}")
         first_epoch = 0 if start is None else start + 1
         for epoch in range(first_epoch, first_epoch + args.epochs):
@@ -203,22 +199,24 @@ def train(args: argparse.Namespace) -> float:
                 dataset, total=len(dataset), desc=f"epoch {epoch + 1}", unit="step", leave=False, disable=None
             )
             for batch in progress:
-                state, opt_state, loss = strategy.run(train_step, args=(state, opt_state, batch))
+                loss = strategy.run(train_step, args=(model, optimizer, batch))
                 losses.append(float(loss))  # Reading the loss each step, as a progress bar does.
                 # The real examples, one part per replica (the whole batch on one device).
                 examples += sum(int(part.sum()) for part in strategy.experimental_local_results(batch[1]))
                 rate = examples / (time.perf_counter() - started)
                 progress.set_postfix(loss=f"{losses[-1]:.4f}", examples_per_s=f"{rate:.0f}", refresh=False)
-            test_accuracy = float(strategy.run(accuracy, args=(state, *test_set)))
+            test_accuracy = float(strategy.run(accuracy, args=(model, *test_set)))
             print(
                 f"epoch {epoch + 1}: loss {losses[-1]:.4f}, test accuracy {test_accuracy:.4f}, "
                 f"{examples / (time.perf_counter() - started):.0f} examples/s"
             )
-            checkpointer.save(epoch, {"model": state, "optimizer": opt_state})  # Written in the background.
+            # The objects' state, written in the background.
+            checkpointer.save(epoch, {"model": model, "optimizer": optimizer})
         checkpointer.wait()
         latest = checkpointer.latest_step()
-        restored = checkpointer.restore(strategy=strategy, target={"model": state, "optimizer": opt_state})
-    restored_accuracy = float(strategy.run(accuracy, args=(restored["model"], *test_set)))
+        restored, restored_optimizer = new_model(args, strategy)  # Fresh objects, then the checkpoint.
+        checkpointer.restore(strategy=strategy, target={"model": restored, "optimizer": restored_optimizer})
+    restored_accuracy = float(strategy.run(accuracy, args=(restored, *test_set)))
     print(f"test accuracy {test_accuracy:.4f}; ", end="")
     print(f"restored from the checkpoint of epoch {latest + 1}: {restored_accuracy:.4f}")
     write_loss_curve(losses, args.output_dir / "loss.png")

@@ -3,7 +3,7 @@
 Each benchmark checks what it can check without timing: run_overhead fails on any recompile,
 checkpoint verifies every round trip, input_pipeline counts compiles while timed, mirrored
 forces two CPU devices and fails on any retrace, multi_worker starts jobs of one and of two
-processes and fails on any retrace.
+processes and fails on any retrace, nnx fails on any retrace or compile while timed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    "script", ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py"]
+    "script",
+    ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py", "nnx.py"],
 )
 def test_benchmark_smoke_run(script):
     done = subprocess.run(

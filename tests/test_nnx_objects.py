@@ -3,6 +3,7 @@ where that cannot hold. (The Flax-docs training loop on every strategy is in con
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -181,3 +182,28 @@ def test_objects_changed_between_steps_are_seen(four):
     four.run(_add_one, args=(other,))
     assert np.asarray(other.w[...]).tolist() == [2.0, 2.0]
     assert np.asarray(model.w[...]).tolist() == [11.0, 11.0]
+
+
+def test_checkpoints_of_objects_restore_into_live_objects_on_any_strategy(tmp_path, four):
+    from jaxstrategy import checkpoint
+
+    one = OneDeviceStrategy("/cpu:1")
+    model = one.put(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    optimizer = one.put(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    batch, _ = _batch(one)
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes Python floats and int32 counts.
+        one.run(_own_gradient_step, args=(model, optimizer, batch))
+    checkpoint.save(tmp_path, {"model": model, "optimizer": optimizer, "epoch": np.int32(3)})
+
+    fresh = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+    fresh_optimizer = nnx.Optimizer(fresh, optax.adam(1e-2), wrt=nnx.Param)
+    restored = checkpoint.restore(
+        tmp_path, strategy=four, target={"model": fresh, "optimizer": fresh_optimizer, "epoch": np.int32(0)}
+    )
+    assert restored["model"] is fresh and restored["optimizer"] is fresh_optimizer
+    assert int(restored["epoch"]) == 3
+    np.testing.assert_array_equal(np.asarray(fresh.kernel[...]), np.asarray(model.kernel[...]))
+    assert int(fresh_optimizer.step[...]) == 1
+    assert_tree_on_strategy(nnx.state((fresh, fresh_optimizer)), four)
+    # Saved as their state: read without a target, the structure is the state's.
+    assert checkpoint.restore(tmp_path)["model"]["kernel"]["value"].shape == (3, 2)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src import contexts
+from jaxstrategy._src import contexts, nnx_objects
 from jaxstrategy._src.errors import JaxStrategyError, bullet_list
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, require_array_leaves
@@ -106,7 +106,8 @@ class Checkpointer:
 
         Args:
           step: the step number, an int >= 0, greater than every saved step.
-          tree: a pytree of arrays (typed PRNG keys included).
+          tree: a pytree of arrays (typed PRNG keys included); Flax NNX objects in it (a Module,
+            an Optimizer) are saved as their state.
           force: save even when `step` is not a multiple of `save_interval_steps`.
 
         Raises:
@@ -115,6 +116,9 @@ class Checkpointer:
           FileExistsError: `step` is saved already.
         """
         _check_step(step, "Checkpointer.save()")
+        found = nnx_objects.find_objects(tree)
+        if found is not None:  # Flax NNX objects are saved as their state.
+            tree = nnx_objects.with_states(found)
         _check_savable(tree)
         if step in self._manager.all_steps():
             raise FileExistsError(
@@ -159,8 +163,9 @@ class Checkpointer:
         """Restore `step` (the newest when None) onto `strategy` (the current one when None).
 
         Every leaf is read directly onto the strategy's sharding, committed. With a `target` (a
-        pytree of arrays or `jax.ShapeDtypeStruct`s, such as an nnx state or an optax state),
-        the result has the target's structure, and every difference in paths, shapes or dtypes is
+        pytree of arrays or `jax.ShapeDtypeStruct`s, such as an nnx state or an optax state, or
+        Flax NNX objects, which get their state in place and come back themselves), the result
+        has the target's structure, and every difference in paths, shapes or dtypes is
         reported at once, before anything is read; without one, the saved structure comes back as
         nested dicts and lists.
 
@@ -185,7 +190,14 @@ class Checkpointer:
             raise TypeError(
                 f"Checkpointer.restore(): strategy must be a jaxstrategy strategy; got {strategy!r}."
             )
-        return _restore_step(self._manager, self._directory, step, strategy.sharding, target)
+        found = nnx_objects.find_objects(target)
+        if found is None:
+            return _restore_step(self._manager, self._directory, step, strategy.sharding, target)
+        # Flax NNX objects in the target get the restored state, in place.
+        restored = _restore_step(
+            self._manager, self._directory, step, strategy.sharding, nnx_objects.with_states(found)
+        )
+        return nnx_objects.update_from_states(found, restored)
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's resources. Safe to call twice."""

@@ -210,3 +210,21 @@ def _variable_name(path: tuple[Any, ...], object_paths: list[Any]) -> str:
     object was among the arguments, then its attributes."""
     index, *attributes = path
     return ".".join([format_argument_path(object_paths[index]), *(str(a) for a in attributes)])
+
+
+def with_states(found: Found) -> PyTree:
+    """The tree `found` in, with each object replaced by its state (`nnx.state`): what a
+    checkpoint holds for it."""
+    nnx = _nnx()
+    return found.holes.fill(tuple(nnx.state(obj) for obj in found.objects), found.others)
+
+
+def update_from_states(found: Found, restored: PyTree) -> PyTree:
+    """Write the states that `restored` (shaped like `with_states(found)`) holds for the objects
+    into them; return the tree with the same objects and the rest of `restored`."""
+    nnx = _nnx()
+    parts = found.holes.treedef.flatten_up_to(restored)
+    positions = set(found.holes.object_positions)
+    for obj, state in zip(found.objects, (parts[i] for i in found.holes.object_positions), strict=True):
+        nnx.update(obj, state)
+    return found.holes.fill(found.objects, [part for i, part in enumerate(parts) if i not in positions])
