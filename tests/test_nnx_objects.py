@@ -207,3 +207,17 @@ def test_checkpoints_of_objects_restore_into_live_objects_on_any_strategy(tmp_pa
     assert_tree_on_strategy(nnx.state((fresh, fresh_optimizer)), four)
     # Saved as their state: read without a target, the structure is the state's.
     assert checkpoint.restore(tmp_path)["model"]["kernel"]["value"].shape == (3, 2)
+
+
+def _step_optimizer(model, optimizer):
+    optimizer.update(model, nnx.state(model, nnx.Param))
+
+
+def test_each_new_optimizer_compiles_its_step_without_the_repeated_code_warning(strategy_cpu1):
+    # An optimizer's optax transformation is part of its graph definition, so each new one
+    # compiles the step again; that is no lambda made per step, and must not warn as one.
+    model = strategy_cpu1.put(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    for _ in range(4):
+        optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+        strategy_cpu1.run(_step_optimizer, args=(model, optimizer))
+    assert int(optimizer.step[...]) == 1

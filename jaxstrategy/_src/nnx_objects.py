@@ -179,30 +179,44 @@ def _traverse(objects: tuple[Any, ...]) -> _Traversal:
 @functools.lru_cache(maxsize=64)
 def _step_with_objects(
     fn: Callable[..., PyTree], graphdef: Any, holes: _Holes, caller: str
-) -> Callable[..., PyTree]:
-    """The step `run` compiles for `fn` with objects of this structure: a function of their
-    Variables' values and of the other arguments. One function object per structure, so `run`
-    finds it compiled (on its fast path) every step; what it closes over is hashable, as static
-    arguments are."""
+) -> _StepWithObjects:
+    """The step `run` compiles for `fn` with objects of this structure. One object per structure,
+    so `run` finds it compiled (on its fast path) every step."""
+    return _StepWithObjects(fn, graphdef, holes, caller)
 
-    def step_with_objects(values: list[Any], others: list[Any]) -> tuple[PyTree, list[Any]]:
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepWithObjects:
+    """`fn` as a function of its objects' Variables' values and of its other arguments.
+
+    A callable object, not a closure: `run` warns when one piece of code is compiled as many
+    function objects (a lambda made per step), but a new optimizer, whose optax transformation is
+    part of its graph definition, rightly compiles a step of its own.
+    """
+
+    fn: Callable[..., PyTree]
+    graphdef: Any
+    holes: _Holes
+    caller: str
+
+    @property
+    def __name__(self) -> str:  # JAX names the compiled program after the user's function.
+        return getattr(self.fn, "__name__", "step")
+
+    def __call__(self, values: list[Any], others: list[Any]) -> tuple[PyTree, list[Any]]:
         nnx = _nnx()
-        objects = nnx.graph.unflatten(graphdef, values)
-        args, kwargs = holes.fill(objects, others)
-        outputs = fn(*args, **kwargs)
+        objects = nnx.graph.unflatten(self.graphdef, values)
+        args, kwargs = self.holes.fill(objects, others)
+        outputs = self.fn(*args, **kwargs)
         new_graphdef, new_values = nnx.graph.flatten(objects, with_paths=False)
-        if new_graphdef != graphdef:
+        if new_graphdef != self.graphdef:
             raise ValueError(
-                f"{caller}: fn changed the structure of its Flax NNX arguments (it added, removed or "
-                "replaced an attribute, a submodule or a Variable). A compiled step can only change "
+                f"{self.caller}: fn changed the structure of its Flax NNX arguments (it added, removed "
+                "or replaced an attribute, a submodule or a Variable). A compiled step can only change "
                 "the values of Variables that exist when it starts: create them before calling run, "
                 "and inside fn only assign to their values (variable[...] = ...)."
             )
         return outputs, new_values
-
-    # JAX names the compiled program, and points its tracing errors, at the user's function.
-    step_with_objects.__name__ = step_with_objects.__qualname__ = getattr(fn, "__name__", "step")
-    return step_with_objects
 
 
 def _variable_name(path: tuple[Any, ...], object_paths: list[Any]) -> str:
