@@ -75,18 +75,17 @@ def make_dataset_fn(steps: int, global_batch_size: int) -> Any:
     return dataset_fn
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation) -> Any:
-    def loss_fn(state: nnx.State, images: jax.Array, labels: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, state)(images)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def train_step(model: MLP, optimizer: nnx.Optimizer, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """One step, as Flax writes it: `model` and `optimizer` are updated in place."""
+    images, labels = batch
 
-    def train_step(state: nnx.State, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
-        loss, grads = jax.value_and_grad(loss_fn)(state, *batch)
-        grads, loss = jaxstrategy.get_replica_context().all_reduce("mean", (grads, loss))
-        updates, opt_state = optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, loss
+    def loss_fn(model: MLP) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
 
-    return train_step
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    grads, loss = jaxstrategy.get_replica_context().all_reduce("mean", (grads, loss))
+    optimizer.update(model, grads)
+    return loss
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -122,20 +121,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if chief:
         print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas")
 
-    graphdef, state = nnx.split(MLP(64, nnx.Rngs(0)))
-    optimizer = optax.adam(1e-2)
-    state = strategy.put(state)
-    opt_state = strategy.init(optimizer.init, state)
-    train_step = make_train_step(graphdef, optimizer)
+    model = strategy.put(MLP(64, nnx.Rngs(0)))  # Replicated on every device of every process.
+    optimizer = strategy.put(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
     dataset = strategy.distribute_datasets_from_function(make_dataset_fn(args.steps, args.global_batch_size))
     for step, batch in enumerate(dataset):
-        state, opt_state, loss = strategy.run(train_step, args=(state, opt_state, batch))
+        loss = strategy.run(train_step, args=(model, optimizer, batch))
         if chief:
             print(f"step {step}: loss {float(loss):.6f}")
     if args.checkpoint_dir is not None:
         # Every process takes part (each writes the parts of the arrays it holds); gating this on
         # `should_checkpoint` would leave the chief waiting for the others.
-        saved = checkpoint.save(args.checkpoint_dir, {"model": state, "optimizer": opt_state})
+        saved = checkpoint.save(args.checkpoint_dir, {"model": model, "optimizer": optimizer})
         if chief:
             print(f"saved the final state as checkpoint {saved} in {args.checkpoint_dir}")
 
