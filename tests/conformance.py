@@ -449,6 +449,16 @@ class StrategyConformance:
             2**31 - 1
         ]
 
+    def test_dataset_values_that_32_bit_types_would_change_are_an_error(self, strategy):
+        dataset = strategy.experimental_distribute_dataset([np.arange(8), np.full(8, 2**40 + 5)])
+        iterator = iter(dataset)
+        next(iterator)  # The first batch fits.
+        with pytest.raises(
+            OverflowError,
+            match=r"the distributed dataset: .*\n  element is int64 with the value 1099511627781, outside int32's",
+        ):
+            next(iterator)
+
     def test_init_creates_outputs_on_the_strategy(self, strategy):
         params = strategy.init(lambda key: {"w": jax.random.normal(key, (4, 4))}, jax.random.key(0))
         assert_tree_on_strategy(params, strategy)

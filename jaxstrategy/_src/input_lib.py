@@ -31,7 +31,7 @@ from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
 from jaxstrategy._src.replica_batches import DroppedBatch, Grouping, HostBatch, HostElement, ReplicaBatcher
-from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.tree_checks import is_array_like, require_representable
 from jaxstrategy._src.types import PyTree
 from jaxstrategy._src.variables import private_copy, put_private
 
@@ -99,6 +99,7 @@ def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
 
     Raises:
       TypeError: a leaf cannot be an array; every such leaf is named by its path.
+      OverflowError: a leaf's values do not fit JAX's 32-bit types (x64 off); each is named.
     """
     for element in source:
         leaves, treedef = jax.tree.flatten(element)
@@ -106,6 +107,10 @@ def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
         bad = [i for i, leaf in enumerate(host) if leaf is None]
         if bad:
             raise TypeError(_describe_bad_leaves(element, bad))
+        # Raised at the step this element belongs to, as any error of the source.
+        require_representable(
+            jax.tree.unflatten(treedef, host), caller="the distributed dataset", name="element"
+        )
         yield HostElement([np.asarray(private_copy(leaf)) for leaf in host], treedef)
 
 
