@@ -207,6 +207,12 @@ def test_checkpoints_of_objects_restore_into_live_objects_on_any_strategy(tmp_pa
     assert_tree_on_strategy(nnx.state((fresh, fresh_optimizer)), four)
     # Saved as their state: read without a target, the structure is the state's.
     assert checkpoint.restore(tmp_path)["model"]["kernel"]["value"].shape == (3, 2)
+    # A bare model, saved and restored on its own.
+    single = tmp_path / "single"
+    checkpoint.save(single, model)
+    alone = nnx.Linear(3, 2, rngs=nnx.Rngs(2))
+    assert checkpoint.restore(single, strategy=four, target=alone) is alone
+    np.testing.assert_array_equal(np.asarray(alone.kernel[...]), np.asarray(model.kernel[...]))
 
 
 def _step_optimizer(model, optimizer):
@@ -221,3 +227,15 @@ def test_each_new_optimizer_compiles_its_step_without_the_repeated_code_warning(
         optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
         strategy_cpu1.run(_step_optimizer, args=(model, optimizer))
     assert int(optimizer.step[...]) == 1
+
+
+def test_run_keeps_no_object_alive(strategy_cpu1):
+    import gc
+    import weakref
+
+    model = strategy_cpu1.put(_Growing())
+    strategy_cpu1.run(_add_one, args=(model,))
+    weights = weakref.ref(model.w.get_raw_value())
+    del model
+    gc.collect()
+    assert weights() is None, "the arrays of a deleted model are still referenced"

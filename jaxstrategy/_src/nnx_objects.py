@@ -173,7 +173,14 @@ def _traverse(objects: tuple[Any, ...]) -> _Traversal:
     _TRAVERSALS[key] = traversal
     if len(_TRAVERSALS) > _TRAVERSALS_KEPT:
         _TRAVERSALS.popitem(last=False)
+    for obj in objects:  # It holds the Variables: it must not keep a dead model's arrays alive.
+        weakref.finalize(obj, _forget, key, traversal)
     return traversal
+
+
+def _forget(key: tuple[int, ...], traversal: _Traversal) -> None:
+    if _TRAVERSALS.get(key) is traversal:
+        del _TRAVERSALS[key]
 
 
 @functools.lru_cache(maxsize=64)
