@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,6 +153,36 @@ def test_a_target_expecting_keys_where_plain_arrays_were_saved(tmp_path):
         checkpoint.restore(tmp_path, target={"k": jax.random.key(0)})
 
 
+def _zero_size_tree():
+    return {
+        "rows": jnp.zeros((0, 3)),
+        "nested": [np.zeros((2, 0), np.int32), jnp.ones(2)],
+        "bf16": jnp.zeros((0,), jnp.bfloat16),
+        "keys": jax.random.split(jax.random.key(0), 0),
+    }
+
+
+def test_zero_size_arrays_round_trip(tmp_path, strategy_cpu1):
+    tree = _zero_size_tree()
+    checkpoint.save(tmp_path, tree)
+    _assert_bit_exact(checkpoint.restore(tmp_path), tree)
+    restored = checkpoint.restore(tmp_path, strategy=strategy_cpu1, target=tree)
+    assert jax.tree.structure(restored) == jax.tree.structure(tree)
+    _assert_bit_exact(restored, tree)
+    for leaf in jax.tree.leaves(restored):
+        assert leaf.devices() == {strategy_cpu1.device} and leaf.committed
+
+
+def test_a_target_differing_in_a_zero_size_shape_is_reported(tmp_path):
+    checkpoint.save(tmp_path, _zero_size_tree())
+    target = {**_zero_size_tree(), "rows": jnp.zeros((0, 4))}
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=r"nothing was restored:\n  rows: the checkpoint has float32\[0, 3\], the target float32\[0, 4\]$",
+    ):
+        checkpoint.restore(tmp_path, target=target)
+
+
 # --- Checkpointer ------------------------------------------------------------------------------
 
 
@@ -227,6 +258,78 @@ def test_leaves_that_are_not_arrays_are_rejected(tmp_path):
         checkpoint.save(tmp_path, {"w": jnp.ones(1), "name": "x"})
 
 
+def test_saving_with_a_closed_checkpointer_is_a_clear_error(tmp_path):
+    checkpointer = checkpoint.Checkpointer(tmp_path)
+    checkpointer.save(0, {"w": jnp.ones(1)})
+    checkpointer.close()
+    with pytest.raises(
+        RuntimeError,
+        match=rf"Checkpointer.save\(\): this Checkpointer of {tmp_path} is closed \(by close\(\) or by "
+        rf"leaving its `with` block\), so it cannot save. .* create a new Checkpointer\('{tmp_path}'\)",
+    ):
+        checkpointer.save(1, {"w": jnp.ones(1)})
+    assert checkpointer.all_steps() == [0], "nothing was started in the background"
+    assert checkpointer.restore()["w"].tolist() == [1.0], "reading still works"
+    checkpointer.close()
+
+
+def _skipped(tmp_path, caller, *steps):
+    names = ", ".join(repr(str(tmp_path / step)) for step in steps)
+    return re.escape(f"{caller}: skipping [{names}]: step directories that hold no complete checkpoint")
+
+
+def test_stray_step_directories_are_skipped_with_one_warning(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    (tmp_path / "5").mkdir()
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "weights.bin").write_bytes(b"written by something else")
+    (tmp_path / "notes.txt").write_text("not named like a step, so not reported")
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        with pytest.warns(UserWarning, match=_skipped(tmp_path, "Checkpointer.latest_step()", "5", "7")):
+            assert checkpointer.latest_step() == 0
+        with pytest.warns(UserWarning, match=_skipped(tmp_path, "Checkpointer.all_steps()", "5", "7")):
+            assert checkpointer.all_steps() == [0]
+        with pytest.warns(
+            UserWarning, match=_skipped(tmp_path, "Checkpointer.restore()", "5", "7")
+        ) as record:
+            assert checkpointer.restore()["w"].tolist() == [1.0]
+        assert len(record) == 1
+    with pytest.warns(UserWarning, match=r"Delete them, or move them out of .*, to silence this warning"):
+        assert checkpoint.restore(tmp_path)["w"].tolist() == [1.0]
+
+
+def test_restoring_a_stray_step_by_number_is_a_corrupt_checkpoint(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    (tmp_path / "5").mkdir()
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError,
+        match=rf"Cannot read the checkpoint at step 5 in {tmp_path}: {tmp_path / '5'} holds no complete "
+        r"checkpoint .* Restore one of the complete steps \[0\], or delete it",
+    ):
+        checkpoint.restore(tmp_path, step=5)
+
+
+def test_saving_into_a_stray_step_directory_is_an_error(tmp_path):
+    (tmp_path / "5").mkdir()
+    with pytest.raises(
+        FileExistsError,
+        match=rf"Checkpointer.save\(\): {tmp_path / '5'} exists but holds no complete checkpoint .* "
+        "Delete it, or save under another step number",
+    ):
+        checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=5)
+    assert checkpoint.save(tmp_path, {"w": jnp.ones(1)}) == 6, "numbered past the stray directory"
+
+
+def test_a_stray_step_directory_neither_stops_saves_nor_is_deleted(tmp_path):
+    (tmp_path / "9").mkdir()
+    with checkpoint.Checkpointer(tmp_path, max_to_keep=1) as checkpointer:
+        assert checkpointer.save(0, {"w": jnp.zeros(1)}) and checkpointer.save(1, {"w": jnp.ones(1)})
+        checkpointer.wait()
+        with pytest.warns(UserWarning, match=_skipped(tmp_path, "Checkpointer.all_steps()", "9")):
+            assert checkpointer.all_steps() == [1]
+    assert (tmp_path / "9").is_dir()
+
+
 def test_lazy_submodule_attribute():
     assert jaxstrategy.checkpoint is checkpoint
 
@@ -242,6 +345,38 @@ def test_a_missing_directory(tmp_path):
         checkpoint.restore(missing)
     assert isinstance(info.value, FileNotFoundError)
     assert not missing.exists(), "restore does not create the directory"
+
+
+@pytest.mark.parametrize(
+    ("call", "caller"),
+    [
+        (lambda: checkpoint.save("", {"w": jnp.ones(1)}), "checkpoint.save()"),
+        (lambda: checkpoint.restore(""), "checkpoint.restore()"),
+        (lambda: checkpoint.Checkpointer(""), "Checkpointer()"),
+    ],
+)
+def test_an_empty_directory_is_rejected(tmp_path, monkeypatch, call, caller):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"{caller}: directory is empty (''); expected the path of a checkpoint directory.")
+        + r".* or '\.' for the current directory",
+    ):
+        call()
+    assert list(tmp_path.iterdir()) == [], "nothing is written into the current directory"
+
+
+def test_a_tilde_stands_for_the_home_directory(tmp_path, monkeypatch):
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    checkpoint.save("~/ckpt", {"w": jnp.ones(1)})
+    assert (home / "ckpt" / "0").is_dir() and list(elsewhere.iterdir()) == []
+    assert checkpoint.restore("~/ckpt")["w"].tolist() == [1.0]
+    with checkpoint.Checkpointer(Path("~") / "ckpt") as checkpointer:
+        assert checkpointer.directory == home / "ckpt" and checkpointer.all_steps() == [0]
 
 
 def test_a_directory_that_is_not_a_checkpoint(tmp_path):

@@ -5,7 +5,14 @@ orbax writes a step into a temporary directory and renames it when complete, so 
 mid-save leaves the previous steps intact and the partial one invisible. Each step holds two
 items: `state`, the arrays (through orbax's StandardCheckpointHandler), and `prng_keys`, a small
 JSON map from the paths of typed PRNG key leaves to their implementation, because keys are saved
-as their raw data and must be wrapped again on restore. Nothing is pickled.
+as their raw data and must be wrapped again on restore. Orbax cannot store an array with no
+elements, so each is saved as a scalar placeholder of its dtype, and a third item,
+`zero_size_shapes` (written only when there are some), maps its path to its true shape. Nothing is
+pickled.
+
+Only a step directory holding the `state` and `prng_keys` items counts as a step: orbax lists
+steps by name alone, so a stray empty `5/` would otherwise become the newest step, to restore
+from and to count against `max_to_keep`. Such directories are skipped with a warning.
 
 Restoring builds an abstract tree of `jax.ShapeDtypeStruct`s carrying the target strategy's
 sharding, so orbax reads every array directly onto its device, committed, whatever strategy
@@ -15,6 +22,9 @@ saved it.
 from __future__ import annotations
 
 import os
+import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +34,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxstrategy._src import contexts, nnx_objects
-from jaxstrategy._src.errors import JaxStrategyError, bullet_list
+from jaxstrategy._src.errors import JaxStrategyError, bullet_list, caller_stacklevel
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, require_array_leaves
 from jaxstrategy._src.types import PyTree
 
 _STATE = "state"
 _PRNG_KEYS = "prng_keys"
+_ZERO_SIZE_SHAPES = "zero_size_shapes"
+# The names orbax's standard step format gives steps: 0, 1, 2, ... without zero padding.
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 # At most this many lines of leaf differences in one message; the rest are counted.
 _MAX_LISTED = 20
 
@@ -53,10 +66,11 @@ class Checkpointer:
     `save(step, tree)` returns once the arrays are copied off the device; orbax writes the files
     in a background thread, and the next `save`, `wait()` or `close()` waits for that. Keeps the
     newest `max_to_keep` steps (all when None) and saves only steps that are multiples of
-    `save_interval_steps`.
+    `save_interval_steps`. Step directories that hold no complete checkpoint (an empty `5/`,
+    say) are skipped with a warning.
 
     Args:
-      directory: where the steps live; created if missing.
+      directory: where the steps live; created if missing. `~` stands for the home directory.
       max_to_keep: how many of the newest steps to keep, or None for all.
       save_interval_steps: `save` writes only steps divisible by this (and returns False for
         the others).
@@ -91,10 +105,11 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer(save_interval_steps={save_interval_steps!r}): expected an int >= 1."
             )
-        self._directory = Path(directory).absolute()
+        self._directory = _directory_path(directory, "Checkpointer()")
         self._manager = _manager(
             self._directory, create=True, max_to_keep=max_to_keep, interval=save_interval_steps
         )
+        self._closed = False
 
     @property
     def directory(self) -> Path:
@@ -113,8 +128,15 @@ class Checkpointer:
         Raises:
           TypeError: a leaf is not an array.
           ValueError: `tree` is a bare array or holds no array; `step` is below the newest step.
-          FileExistsError: `step` is saved already.
+          FileExistsError: `step` is saved already, or its directory exists holding no checkpoint.
+          RuntimeError: the Checkpointer is closed.
         """
+        if self._closed:
+            raise RuntimeError(
+                f"Checkpointer.save(): this Checkpointer of {self._directory} is closed (by close() "
+                "or by leaving its `with` block), so it cannot save. Save before closing it, or "
+                f"create a new Checkpointer({str(self._directory)!r})."
+            )
         _check_step(step, "Checkpointer.save()")
         found = nnx_objects.find_objects(tree)
         if found is not None:  # Flax NNX objects are saved as their state.
@@ -125,6 +147,13 @@ class Checkpointer:
                 f"Checkpointer.save(): step {step} is already saved in {self._directory}; steps must "
                 "grow. Save under a new step number, or delete that step's directory first."
             )
+        step_directory = self._directory / str(step)
+        if step_directory.exists():
+            raise FileExistsError(
+                f"Checkpointer.save(): {step_directory} exists but holds no complete checkpoint "
+                "(it is empty, unfinished, or written by something else), so step "
+                f"{step} cannot be saved there. Delete it, or save under another step number."
+            )
         latest = self._manager.latest_step()
         if latest is not None and step < latest:
             raise ValueError(
@@ -132,30 +161,49 @@ class Checkpointer:
                 f"{self._directory}; steps must grow. Save under a step above {latest}."
             )
         state, prng_impls = _split_prng_keys(tree)
-        return bool(
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    **{_STATE: ocp.args.StandardSave(state), _PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
-                ),
-                force=force,
-            )
-        )
+        state, zero_size_shapes = _replace_zero_size(state)
+        items = {_STATE: ocp.args.StandardSave(state), _PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
+        if zero_size_shapes:  # Only then, so checkpoints without any read as they always have.
+            items[_ZERO_SIZE_SHAPES] = ocp.args.JsonSave(zero_size_shapes)
+        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
 
     def wait(self) -> None:
         """Block until every save started so far is on disk."""
         self._manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
-        """The newest complete step, or None when there is none."""
-        self._manager.reload()
-        step = self._manager.latest_step()
-        return None if step is None else int(step)
+        """The newest complete step, or None when there is none.
+
+        Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
+        """
+        steps, strays = self._steps()
+        self._warn_skipped(strays, "Checkpointer.latest_step()")
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The complete steps, oldest first."""
+        """The complete steps, oldest first.
+
+        Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
+        """
+        steps, strays = self._steps()
+        self._warn_skipped(strays, "Checkpointer.all_steps()")
+        return steps
+
+    def _steps(self) -> tuple[list[int], list[int]]:
+        """The complete steps and the stray step directories' numbers, both oldest first."""
         self._manager.reload()
-        return sorted(int(step) for step in self._manager.all_steps())
+        return sorted(int(step) for step in self._manager.all_steps()), _stray_steps(self._directory)
+
+    def _warn_skipped(self, strays: list[int], caller: str) -> None:
+        if strays:
+            names = [str(self._directory / str(step)) for step in strays]
+            warnings.warn(
+                f"{caller}: skipping {names}: step directories that hold no complete checkpoint "
+                "(empty, unfinished, or written by something else). Delete them, or move them out "
+                f"of {self._directory}, to silence this warning.",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def restore(
         self, step: int | None = None, *, strategy: Strategy | None = None, target: PyTree = None
@@ -169,18 +217,30 @@ class Checkpointer:
         reported at once, before anything is read; without one, the saved structure comes back as
         nested dicts and lists.
 
+        The newest step is the newest complete one: step directories that hold no complete
+        checkpoint are skipped with a warning (UserWarning); asking for one by `step` is an error.
+
         Raises:
           CheckpointNotFoundError: (a `FileNotFoundError`) no such step, or no steps at all.
           CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
-          CorruptCheckpointError: (a `ValueError`) the step cannot be read.
+          CorruptCheckpointError: (a `ValueError`) the step cannot be read, or its directory holds
+            no complete checkpoint.
         """
         self.wait()
-        steps = self.all_steps()
+        steps, strays = self._steps()
         if step is None:
+            self._warn_skipped(strays, "Checkpointer.restore()")
             if not steps:
                 raise CheckpointNotFoundError(_no_steps_message(self._directory))
             step = steps[-1]
         _check_step(step, "Checkpointer.restore()")
+        if step in strays:
+            raise CorruptCheckpointError(
+                f"Cannot read the checkpoint at step {step} in {self._directory}: "
+                f"{self._directory / str(step)} holds no complete checkpoint (it is empty, "
+                "unfinished, or written by something else; a step holds the items "
+                f"{[_STATE, _PRNG_KEYS]}). Restore one of the complete steps {steps}, or delete it."
+            )
         if step not in steps:
             raise CheckpointNotFoundError(
                 f"No complete checkpoint for step {step} in {self._directory}; it holds steps {steps}."
@@ -200,8 +260,12 @@ class Checkpointer:
         return nnx_objects.update_from_states(found, restored)
 
     def close(self) -> None:
-        """Wait for pending saves and release orbax's resources. Safe to call twice."""
+        """Wait for pending saves and release orbax's resources. Safe to call twice.
+
+        A closed Checkpointer can still restore and list steps, but not save.
+        """
         self._manager.close()
+        self._closed = True
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -217,12 +281,14 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
     """Save `tree` to `directory` and return the step it was saved as; returns when it is on disk.
 
     Args:
-      directory: the checkpoint directory; created if missing.
+      directory: the checkpoint directory; created if missing. `~` stands for the home directory.
       tree: a pytree of arrays (typed PRNG keys included).
-      step: the step number; None means one more than the newest saved step (0 for the first).
+      step: the step number; None means one more than the newest step directory, complete or
+        not (0 for the first).
 
     Raises:
       TypeError: a leaf is not an array.
+      ValueError: `directory` is empty.
       FileExistsError: `step` is saved already.
 
     Example:
@@ -234,10 +300,12 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
       >>> checkpoint.restore(directory)['w'].tolist()
       [0.0, 0.0, 0.0]
     """
-    with Checkpointer(directory) as checkpointer:
+    path = _directory_path(directory, "checkpoint.save()")
+    with Checkpointer(path) as checkpointer:
         if step is None:
-            latest = checkpointer.latest_step()
-            step = 0 if latest is None else latest + 1
+            # Past stray step directories too, whose names a save could not take.
+            taken = [max(numbers) for numbers in checkpointer._steps() if numbers]
+            step = max(taken) + 1 if taken else 0
         checkpointer.save(step, tree, force=True)
         checkpointer.wait()
     return step
@@ -255,6 +323,7 @@ def restore(
     See `Checkpointer.restore`; this is the same for one call, without creating `directory`.
 
     Raises:
+      ValueError: `directory` is empty.
       CheckpointNotFoundError: (a `FileNotFoundError`) `directory` does not exist, holds no
         checkpoint, or lacks `step`.
       CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
@@ -270,7 +339,7 @@ def restore(
       >>> restored['w'].tolist(), restored['w'].committed
       ([0.0, 1.0, 2.0], True)
     """
-    path = Path(directory).absolute()
+    path = _directory_path(directory, "checkpoint.restore()")
     if not path.is_dir():
         raise CheckpointNotFoundError(
             f"No checkpoint directory at {path}: it does not exist or is not a directory."
@@ -279,14 +348,68 @@ def restore(
         return checkpointer.restore(step, strategy=strategy, target=target)
 
 
+def _directory_path(directory: str | os.PathLike[str], caller: str) -> Path:
+    """`directory` with `~` expanded, made absolute; an empty one is an error, not the current one."""
+    text = os.fspath(directory)
+    if not text:
+        raise ValueError(
+            f"{caller}: directory is empty ({directory!r}); expected the path of a checkpoint "
+            "directory. Pass one, such as 'checkpoints', or '.' for the current directory."
+        )
+    return Path(os.path.expanduser(text)).absolute()
+
+
 def _manager(
     directory: Path, *, create: bool, max_to_keep: int | None, interval: int
 ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=interval, create=create
+        max_to_keep=max_to_keep,
+        save_interval_steps=interval,
+        create=create,
+        step_name_format=_CompleteSteps(),
     )
-    handlers = {_STATE: ocp.StandardCheckpointHandler(), _PRNG_KEYS: ocp.JsonCheckpointHandler()}
+    handlers = {
+        _STATE: ocp.StandardCheckpointHandler(),
+        _PRNG_KEYS: ocp.JsonCheckpointHandler(),
+        _ZERO_SIZE_SHAPES: ocp.JsonCheckpointHandler(),
+    }
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+class _CompleteSteps:
+    """Orbax's standard step names, listing only the steps that hold both items.
+
+    Orbax takes its newest step, its retention and its save interval from `find_all`, so a stray
+    step directory left out here is out of all of them, and is never deleted by retention.
+    """
+
+    def __init__(self) -> None:
+        self._standard = ocp.step.standard_name_format()
+
+    def build_name(self, step: int) -> str:
+        return str(self._standard.build_name(step))
+
+    def find_all(self, base_path: Any) -> Iterator[Any]:
+        return (meta for meta in self._standard.find_all(base_path) if _is_complete(Path(meta.path)))
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        return self._standard.find_step(base_path, step)
+
+
+def _is_complete(step_directory: Path) -> bool:
+    # Orbax renames a step into place once written, so a step with both items is whole.
+    return all((step_directory / item).is_dir() for item in (_STATE, _PRNG_KEYS))
+
+
+def _stray_steps(directory: Path) -> list[int]:
+    """The numbers of the entries of `directory` named like a step that are not a complete one."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(entry.name)
+        for entry in directory.iterdir()
+        if _STEP_NAME.fullmatch(entry.name) and not _is_complete(entry)
+    )
 
 
 def _check_step(step: Any, caller: str) -> None:
@@ -346,6 +469,20 @@ def _savable(leaf: Any) -> Any:
     return leaf
 
 
+def _replace_zero_size(state: PyTree) -> tuple[PyTree, dict[str, list[int]]]:
+    """Replace arrays with no elements, which orbax cannot store, by scalars; map paths to shapes."""
+    shapes = {}
+
+    def replace(path: tuple[Any, ...], leaf: Any) -> Any:
+        if leaf.size:
+            return leaf
+        shapes[_path_string(path)] = list(leaf.shape)
+        return np.zeros((), leaf.dtype)
+
+    state = jax.tree_util.tree_map_with_path(replace, state)
+    return state, shapes
+
+
 def _path_string(path: tuple[Any, ...]) -> str:
     """A path in a form independent of container types: orbax saves tuples and nodes as dicts/lists."""
     parts = []
@@ -371,22 +508,30 @@ def _restore_step(
 ) -> PyTree:
     where = f"step {step} in {directory}"
     try:
-        saved = manager.item_metadata(step)[_STATE]
-        prng_impls = manager.restore(step, args=ocp.args.Composite(**{_PRNG_KEYS: ocp.args.JsonRestore()}))[
-            _PRNG_KEYS
-        ]
+        metadata = manager.item_metadata(step)
+        saved = metadata[_STATE]
+        # Steps saved without zero-size arrays have no such item.
+        has_zero_size = _ZERO_SIZE_SHAPES in metadata.keys()
+        json_items = [_PRNG_KEYS, _ZERO_SIZE_SHAPES] if has_zero_size else [_PRNG_KEYS]
+        json_values = manager.restore(
+            step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore() for item in json_items})
+        )
+        prng_impls = json_values[_PRNG_KEYS] or {}
+        shapes = json_values[_ZERO_SIZE_SHAPES] if has_zero_size else {}
+        zero_size = {path: tuple(shape) for path, shape in shapes.items()}
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
-    saved_leaves = {
-        _path_string(path): (tuple(meta.shape), np.dtype(meta.dtype))
-        for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]
-    }
+    saved_leaves = {}
+    for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        name = _path_string(path)
+        saved_leaves[name] = (zero_size.get(name, tuple(meta.shape)), np.dtype(meta.dtype))
     if target is None:
         abstract = jax.tree.map(
             lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding), saved
         )
     else:
-        abstract = _abstract_target(target, saved_leaves, prng_impls or {}, where, sharding)
+        abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
+    abstract = _as_stored(abstract, zero_size)
     try:
         restored = manager.restore(
             step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
@@ -394,7 +539,38 @@ def _restore_step(
         restored = jax.block_until_ready(restored)  # Read errors surface here, not in the caller's step.
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
-    return _wrap_prng_keys(restored, prng_impls or {})
+    restored = _restore_zero_size(restored, zero_size, sharding)
+    return _wrap_prng_keys(restored, prng_impls)
+
+
+def _as_stored(abstract: PyTree, zero_size: dict[str, tuple[int, ...]]) -> PyTree:
+    """Ask orbax for the scalar placeholder stored in place of each zero-size array."""
+    if not zero_size:
+        return abstract
+
+    def stored(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if _path_string(path) not in zero_size:
+            return leaf
+        return jax.ShapeDtypeStruct((), leaf.dtype, sharding=leaf.sharding)
+
+    return jax.tree_util.tree_map_with_path(stored, abstract)
+
+
+def _restore_zero_size(
+    tree: PyTree, zero_size: dict[str, tuple[int, ...]], sharding: jax.sharding.Sharding
+) -> PyTree:
+    """Put back the zero-size arrays, committed to `sharding` as orbax places the others."""
+    if not zero_size:
+        return tree
+
+    def restore(path: tuple[Any, ...], leaf: Any) -> Any:
+        shape = zero_size.get(_path_string(path))
+        if shape is None:
+            return leaf
+        empty = np.zeros(shape, leaf.dtype)
+        return jax.make_array_from_callback(shape, sharding, lambda index: empty[index])
+
+    return jax.tree_util.tree_map_with_path(restore, tree)
 
 
 def _abstract_target(
