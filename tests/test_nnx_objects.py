@@ -107,7 +107,7 @@ def _grow(model):
 def test_changing_the_objects_structure_inside_run_is_an_error(four):
     model = four.put(_Growing())
     with pytest.raises(
-        ValueError, match=r"fn changed the structure of its Flax NNX arguments.*create them before"
+        ValueError, match=r"fn changed the structure of its Flax NNX arguments: it added.*set such flags, before calling run"
     ):
         four.run(_grow, args=(model,))
     assert not hasattr(model, "extra")
@@ -239,3 +239,101 @@ def test_run_keeps_no_object_alive(strategy_cpu1):
     del model
     gc.collect()
     assert weights() is None, "the arrays of a deleted model are still referenced"
+
+
+class _NotAPytree(nnx.Module, pytree=False):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(2))
+        self.scale = 1.0
+
+
+def _add_scale(model):
+    model.w[...] = model.w[...] + model.scale
+
+
+def test_objects_that_are_no_pytrees_are_traversed_every_call(strategy_cpu1):
+    model = strategy_cpu1.put(_NotAPytree())
+    strategy_cpu1.run(_add_scale, args=(model,))
+    model.w = strategy_cpu1.put(nnx.Param(jnp.full(2, 10.0)))
+    model.scale = 2.0
+    strategy_cpu1.run(_add_scale, args=(model,))
+    assert np.asarray(model.w[...]).tolist() == [12.0, 12.0]
+
+
+class _WithBuffer(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+        self.buffer = jnp.zeros(2)  # A plain array attribute, as Flax 0.12 allows.
+
+
+def _count(model):
+    model.buffer = model.buffer + model.w[...]
+
+
+def test_plain_array_attributes_are_updated_too(four):
+    model = four.put(_WithBuffer())
+    for _ in range(2):
+        four.run(_count, args=(model,))
+    assert np.asarray(model.buffer).tolist() == [2.0, 2.0]
+
+
+def test_a_step_first_compiled_for_arrays_still_updates_objects(strategy_cpu1):
+    def bump(model):
+        model.w[...] = model.w[...] + 1
+
+    arrays_first = strategy_cpu1.put(_Growing())
+    strategy_cpu1.run(lambda state: state, args=(nnx.state(arrays_first),))
+    strategy_cpu1.run(bump, args=(nnx.state(arrays_first),))  # Compiled for a pytree of arrays.
+    strategy_cpu1.run(bump, args=(arrays_first,))  # Now an object: updated in place.
+    assert np.asarray(arrays_first.w[...]).tolist() == [2.0, 2.0]
+
+
+class _Counter(nnx.Module):
+    def __init__(self):
+        self.count = nnx.Variable(jnp.zeros(()))
+
+    def __call__(self, step):
+        self.count[...] = self.count[...] + step
+        return self.count[...]
+
+    def add(self, step):
+        return self(step)
+
+
+def test_an_object_or_its_method_as_fn_is_traced_and_updated(four):
+    counter = four.put(_Counter())
+    assert [float(four.run(counter, args=(1.0,))) for _ in range(2)] == [1.0, 2.0]
+    assert [float(four.run(counter.add, args=(2.0,))) for _ in range(2)] == [4.0, 6.0]
+    assert float(counter.count[...]) == 6.0
+
+
+class _Configured(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.zeros(2))
+        self.config = {"step": 1.0}  # Static, and not hashable.
+
+
+def _configured_step(model):
+    model.w[...] = model.w[...] + model.config["step"]
+
+
+def test_unhashable_static_attributes_and_callables(strategy_cpu1):
+    model = strategy_cpu1.put(_Configured())
+    for _ in range(2):
+        strategy_cpu1.run(_configured_step, args=(model,))
+    assert np.asarray(model.w[...]).tolist() == [2.0, 2.0]
+
+
+def test_looking_for_objects_asks_nnx_once_per_type(monkeypatch):
+    # NNX's own check costs microseconds a node; a state of 200 leaves with a keyword argument
+    # (run's slow path) must not pay it for each.
+    from jaxstrategy._src import nnx_objects
+
+    calls = []
+    is_graph_node = nnx.graph.is_graph_node
+    monkeypatch.setattr(nnx.graph, "is_graph_node", lambda x: calls.append(type(x)) or is_graph_node(x))
+    monkeypatch.setattr(nnx_objects, "_IS_OBJECT_TYPE", {})
+    state = nnx.state([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(100)])
+    for _ in range(3):
+        assert nnx_objects.find_objects(((state,), {"lr": 0.1})) is None
+    assert len(calls) == len(set(calls)) < 10

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +32,7 @@ import jax
 
 from jaxstrategy._src.errors import bullet_list, format_argument_path
 from jaxstrategy._src.per_replica import PerReplica
+from jaxstrategy._src.step_cache import function_key, weak_resolver
 from jaxstrategy._src.types import PyTree
 
 
@@ -39,11 +40,64 @@ def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
 
 
+# Whether values of a type are NNX objects, by type: NNX's own check costs microseconds a value
+# (its Variable type check goes through a metaclass), and `run` asks it of every argument node.
+_IS_OBJECT_TYPE: dict[type, bool] = {}
+
+
 def _is_object(x: Any) -> bool:
     """An NNX graph node but a Variable: a Variable is also a pytree of its value, which is how
     the state of the other style (`nnx.split`) travels, and stays."""
-    nnx = _nnx()
-    return bool(nnx.graph.is_graph_node(x)) and not isinstance(x, nnx.Variable)
+    known = _IS_OBJECT_TYPE.get(type(x))
+    if known is None:
+        nnx = _nnx()
+        known = _IS_OBJECT_TYPE[type(x)] = bool(nnx.graph.is_graph_node(x)) and not isinstance(
+            x, nnx.Variable
+        )
+    return known
+
+
+def any_object_among(args: tuple[Any, ...]) -> bool:
+    """Whether one of `args` itself is an NNX object: what `run`'s hot path can afford to check, so
+    that a step first compiled for arrays is not handed a Module as a pytree."""
+    return _nnx() is not None and any(_is_object(arg) for arg in args)
+
+
+def callee_as_argument(
+    fn: Callable[..., PyTree], args: tuple[Any, ...]
+) -> tuple[Callable[..., PyTree], tuple[Any, ...]]:
+    """`fn` and `args`, with an object called as `fn` (a Module, or its bound method) made the first
+    argument, so that its Variables are traced and updated rather than baked into the program."""
+    if _nnx() is None:
+        return fn, args
+    if type(fn) is types.MethodType and _is_object(fn.__self__):
+        return _method_caller(fn.__func__), (fn.__self__, *args)
+    if _is_object(fn):
+        return _call_object, (fn, *args)
+    return fn, args
+
+
+def _call_object(obj: Any, *args: Any, **kwargs: Any) -> PyTree:
+    return obj(*args, **kwargs)
+
+
+_METHOD_CALLERS: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., PyTree]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _method_caller(function: Callable[..., PyTree]) -> Callable[..., PyTree]:
+    """One caller per method, so that `run` compiles `obj.method` once, whatever `obj`."""
+    caller = _METHOD_CALLERS.get(function)
+    if caller is None:
+        resolve = weakref.ref(function)
+
+        def call_method(obj: Any, *args: Any, **kwargs: Any) -> PyTree:
+            return resolve()(obj, *args, **kwargs)  # type: ignore[misc]
+
+        call_method.__name__ = call_method.__qualname__ = getattr(function, "__name__", "method")
+        caller = _METHOD_CALLERS[function] = call_method
+    return caller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +166,10 @@ def run_with_objects(
       caller: the call to name in messages.
     """
     traversal = _traverse(found.objects)
-    values = [variable.get_raw_value() for variable in traversal.variables]
+    values = [
+        leaf.get_raw_value() if is_variable else leaf
+        for leaf, is_variable in zip(traversal.leaves, traversal.are_variables, strict=True)
+    ]
     step = _step_with_objects(fn, traversal.graphdef, found.holes, caller)
     outputs, new_values = run(step, (values, found.others), {})
     replicas_differ = [i for i, value in enumerate(new_values) if isinstance(value, PerReplica)]
@@ -126,18 +183,24 @@ def run_with_objects(
             "('mean', grads)), and give nnx.BatchNorm axis_name='replica' so that its statistics "
             "are averaged."
         )
-    for variable, value in zip(traversal.variables, new_values, strict=True):
-        variable.set_raw_value(value)
+    if all(traversal.are_variables):
+        for variable, value in zip(traversal.leaves, new_values, strict=True):
+            variable.set_raw_value(value)
+    else:  # Arrays held as plain attributes: rebuilt objects give them back by attribute.
+        nnx = _nnx()
+        nnx.update(found.objects, nnx.state(nnx.graph.unflatten(traversal.graphdef, new_values)))
     return outputs
 
 
 @dataclasses.dataclass(frozen=True)
 class _Traversal:
     """What NNX's graph traversal of a call's objects found: their graph definition, and their
-    Variables (each once, shared ones included) with their paths, in the definition's order."""
+    state's leaves (Variables, each once, shared ones included, or arrays held as plain
+    attributes) with their paths, in the definition's order."""
 
     graphdef: Any
-    variables: tuple[Any, ...]
+    leaves: tuple[Any, ...]
+    are_variables: tuple[bool, ...]
     paths: tuple[Any, ...]
     fingerprint: Any
     objects: tuple[weakref.ref[Any], ...]
@@ -153,75 +216,107 @@ _TRAVERSALS_KEPT = 16
 def _traverse(objects: tuple[Any, ...]) -> _Traversal:
     """The traversal of `objects`, reused while a cheap check shows them unchanged: the same
     objects, holding the same Variables, with the same static attributes (JAX's pytree view of
-    NNX objects holds those in its tree structure)."""
+    NNX objects holds those in its tree structure). Objects that are no pytrees
+    (`nnx.Module, pytree=False`) hide their insides from that check, so they are traversed anew."""
     nnx = _nnx()
-    leaves, treedef = jax.tree.flatten(objects, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    fingerprint = (treedef, tuple(map(id, leaves)))
+    view, treedef = jax.tree.flatten(objects, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    fingerprint = (treedef, tuple(map(id, view)))
+    checkable = not any(_is_object(leaf) for leaf in view)
     key = tuple(map(id, objects))
     cached = _TRAVERSALS.get(key)
     if (
-        cached is not None
+        checkable
+        and cached is not None
         and cached.fingerprint == fingerprint
         and all(ref() is obj for ref, obj in zip(cached.objects, objects, strict=True))
     ):
         _TRAVERSALS.move_to_end(key)
         return cached
     graphdef, flat = nnx.graph.flatten(objects, with_paths=True)
+    leaves = tuple(flat.leaves)
     traversal = _Traversal(
-        graphdef, tuple(flat.leaves), tuple(flat.paths), fingerprint, tuple(weakref.ref(o) for o in objects)
+        graphdef,
+        leaves,
+        tuple(isinstance(leaf, nnx.Variable) for leaf in leaves),
+        tuple(flat.paths),
+        fingerprint,
+        tuple(weakref.ref(o) for o in objects),
     )
-    _TRAVERSALS[key] = traversal
-    if len(_TRAVERSALS) > _TRAVERSALS_KEPT:
-        _TRAVERSALS.popitem(last=False)
-    for obj in objects:  # It holds the Variables: it must not keep a dead model's arrays alive.
-        weakref.finalize(obj, _forget, key, traversal)
+    if checkable:
+        if key not in _TRAVERSALS:
+            # It holds the Variables: it must not keep a dead model's arrays alive.
+            for obj in objects:
+                weakref.finalize(obj, _TRAVERSALS.pop, key, None)
+        _TRAVERSALS[key] = traversal
+        if len(_TRAVERSALS) > _TRAVERSALS_KEPT:
+            _TRAVERSALS.popitem(last=False)
     return traversal
 
 
-def _forget(key: tuple[int, ...], traversal: _Traversal) -> None:
-    if _TRAVERSALS.get(key) is traversal:
-        del _TRAVERSALS[key]
+# One step object per (function, graph definition, argument structure): `run` compiles each once.
+_STEPS: collections.OrderedDict[Any, _StepWithObjects] = collections.OrderedDict()
+_STEPS_KEPT = 64
 
 
-@functools.lru_cache(maxsize=64)
 def _step_with_objects(
     fn: Callable[..., PyTree], graphdef: Any, holes: _Holes, caller: str
 ) -> _StepWithObjects:
-    """The step `run` compiles for `fn` with objects of this structure. One object per structure,
-    so `run` finds it compiled (on its fast path) every step."""
-    return _StepWithObjects(fn, graphdef, holes, caller)
+    """The step `run` compiles for `fn` with objects of this structure, the same object every
+    call, so `run` finds it compiled (on its fast path). It holds `fn` weakly, and goes when `fn`
+    (or a bound method's object) does."""
+    try:
+        graphdef_key: Any = (hash(graphdef), graphdef)
+    except TypeError:  # A static attribute that cannot be hashed (a dict): identity will do.
+        graphdef_key = ("unhashable", id(graphdef))
+    key = (function_key(fn), graphdef_key, holes, caller)
+    step = _STEPS.get(key)
+    if step is not None:
+        _STEPS.move_to_end(key)
+        return step
+    step = _STEPS[key] = _StepWithObjects(
+        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef, holes, caller
+    )
+    if len(_STEPS) > _STEPS_KEPT:
+        _STEPS.popitem(last=False)
+    try:
+        weakref.finalize(fn.__self__ if type(fn) is types.MethodType else fn, _STEPS.pop, key, None)
+    except TypeError:  # Not weakly referenceable: the step holds it, and the cache's size bounds them.
+        pass
+    return step
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _StepWithObjects:
-    """`fn` as a function of its objects' Variables' values and of its other arguments.
+    """`fn` as a function of its objects' state leaves and of its other arguments.
 
     A callable object, not a closure: `run` warns when one piece of code is compiled as many
     function objects (a lambda made per step), but a new optimizer, whose optax transformation is
     part of its graph definition, rightly compiles a step of its own.
     """
 
-    fn: Callable[..., PyTree]
+    resolve: Callable[[], Callable[..., PyTree]]
+    name: str
     graphdef: Any
     holes: _Holes
     caller: str
 
     @property
     def __name__(self) -> str:  # JAX names the compiled program after the user's function.
-        return getattr(self.fn, "__name__", "step")
+        return self.name
 
     def __call__(self, values: list[Any], others: list[Any]) -> tuple[PyTree, list[Any]]:
         nnx = _nnx()
         objects = nnx.graph.unflatten(self.graphdef, values)
         args, kwargs = self.holes.fill(objects, others)
-        outputs = self.fn(*args, **kwargs)
+        outputs = self.resolve()(*args, **kwargs)
         new_graphdef, new_values = nnx.graph.flatten(objects, with_paths=False)
         if new_graphdef != self.graphdef:
             raise ValueError(
-                f"{self.caller}: fn changed the structure of its Flax NNX arguments (it added, removed "
-                "or replaced an attribute, a submodule or a Variable). A compiled step can only change "
-                "the values of Variables that exist when it starts: create them before calling run, "
-                "and inside fn only assign to their values (variable[...] = ...)."
+                f"{self.caller}: fn changed the structure of its Flax NNX arguments: it added, removed "
+                "or replaced an attribute, a submodule or a Variable, or changed a static attribute "
+                "(model.eval() and model.train() set flags). A compiled step can only change the "
+                "values of Variables that exist when it starts: create them, and set such flags, "
+                "before calling run; inside fn only assign to values (variable[...] = ...)."
             )
         return outputs, new_values
 

@@ -293,7 +293,7 @@ class _CompiledStep:
         self.scalars_are_static = scalars_are_static
         # Jit options and static scalars need the argument leaves sorted in Python on every call.
         self.slow_path = any(_jit_options(options)) or scalars_are_static
-        resolve = _weak_resolver(fn)
+        resolve = weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
             return program(resolve())(*args)
@@ -481,7 +481,7 @@ def _has_static_leaves(tree: PyTree) -> bool:
     return not all(is_array_like(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def _weak_resolver(fn: StepFn) -> Callable[[], StepFn]:
+def weak_resolver(fn: StepFn) -> Callable[[], StepFn]:
     """A function returning `fn` without keeping it (or a bound method's object) alive."""
     try:
         if type(fn) is types.MethodType:

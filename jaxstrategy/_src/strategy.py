@@ -273,7 +273,8 @@ class Strategy(abc.ABC):
         if kwargs is None and options is None and type(args) is tuple:
             key = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)  # function_key
             compiled = self._compiled_runs.get(key)
-            if compiled is not None:
+            # A Module among the arguments would go in as a pytree and its updates be lost.
+            if compiled is not None and not nnx_objects.any_object_among(args):
                 state = _current_state()
                 if state is _OUTSIDE_EVERY_SCOPE or (
                     state.strategy is self and state.replica_context is None
@@ -317,6 +318,7 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
+        fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is not None:
             if options is not None and (
