@@ -107,7 +107,8 @@ def _grow(model):
 def test_changing_the_objects_structure_inside_run_is_an_error(four):
     model = four.put(_Growing())
     with pytest.raises(
-        ValueError, match=r"fn changed the structure of its Flax NNX arguments: it added.*set such flags, before calling run"
+        ValueError,
+        match=r"fn changed the structure of its Flax NNX arguments: it added.*set such flags, before calling run",
     ):
         four.run(_grow, args=(model,))
     assert not hasattr(model, "extra")
@@ -337,3 +338,23 @@ def test_looking_for_objects_asks_nnx_once_per_type(monkeypatch):
     for _ in range(3):
         assert nnx_objects.find_objects(((state,), {"lr": 0.1})) is None
     assert len(calls) == len(set(calls)) < 10
+
+
+def test_replaced_optimizers_and_dropped_step_functions_are_freed(strategy_cpu1):
+    import gc
+    import weakref
+
+    model = strategy_cpu1.put(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    freed = []
+    for _ in range(5):
+        optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param))
+
+        def step(model, optimizer, scale=np.float32(2.0)):  # A new closure each time, then dropped.
+            optimizer.update(model, jax.tree.map(lambda p: p * scale, nnx.state(model, nnx.Param)))
+
+        strategy_cpu1.run(step, args=(model, optimizer))
+        momentum = jax.tree.leaves(nnx.state(optimizer, nnx.OptState))[0]
+        freed.append(weakref.ref(momentum))
+        del optimizer, step, momentum
+    gc.collect()
+    assert [ref() is None for ref in freed] == [True] * 5
