@@ -349,7 +349,9 @@ def test_replaced_optimizers_and_dropped_step_functions_are_freed(strategy_cpu1)
     for _ in range(5):
         optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param))
 
-        def step(model, optimizer, scale=np.float32(2.0)):  # A new closure each time, then dropped.
+        scale = np.float32(2.0)
+
+        def step(model, optimizer):  # A new closure each time, then dropped.
             optimizer.update(model, jax.tree.map(lambda p: p * scale, nnx.state(model, nnx.Param)))
 
         strategy_cpu1.run(step, args=(model, optimizer))
