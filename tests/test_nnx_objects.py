@@ -3,6 +3,8 @@ where that cannot hold. (The Flax-docs training loop on every strategy is in con
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -340,6 +342,10 @@ def test_looking_for_objects_asks_nnx_once_per_type(monkeypatch):
     assert len(calls) == len(set(calls)) < 10
 
 
+def _scaled_update(model, optimizer, scale):
+    optimizer.update(model, jax.tree.map(lambda p: p * scale, nnx.state(model, nnx.Param)))
+
+
 def test_replaced_optimizers_and_dropped_step_functions_are_freed(strategy_cpu1):
     import gc
     import weakref
@@ -349,11 +355,7 @@ def test_replaced_optimizers_and_dropped_step_functions_are_freed(strategy_cpu1)
     for _ in range(5):
         optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param))
 
-        scale = np.float32(2.0)
-
-        def step(model, optimizer):  # A new closure each time, then dropped.
-            optimizer.update(model, jax.tree.map(lambda p: p * scale, nnx.state(model, nnx.Param)))
-
+        step = functools.partial(_scaled_update, scale=np.float32(2.0))  # New each time, then dropped.
         strategy_cpu1.run(step, args=(model, optimizer))
         momentum = jax.tree.leaves(nnx.state(optimizer, nnx.OptState))[0]
         freed.append(weakref.ref(momentum))
