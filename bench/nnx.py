@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from bench_util import count_compiles, measure, parse_rounds, print_table
+from bench_util import Loop, count_compiles, measure, parse_rounds, print_table
 from flax import nnx
 from input_pipeline import MLP, make_workload, random_batch
 
@@ -43,7 +43,6 @@ FULL_ROUNDS = 20
 QUICK_ROUNDS = 3
 CALLS = 20
 TRACES: collections.Counter[str] = collections.Counter()
-Loop = Callable[[int], float]
 
 
 def loss_fn(model: MLP, x: jax.Array, y: jax.Array) -> jax.Array:

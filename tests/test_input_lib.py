@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from threads import THREAD_END_TIMEOUT_S, finishes_in_time
 
 import jaxstrategy
 from jaxstrategy import InputOptions, OneDeviceStrategy
-
-THREAD_END_TIMEOUT_S = 5.0
 
 
 def _wait_for_prefetch_threads_to_end(before):
@@ -343,24 +342,6 @@ def test_a_training_loop_over_a_distributed_dataset():
     assert isinstance(dataset, jaxstrategy.DistributedDataset)
 
 
-def _finishes_in_time(fn, timeout_s=THREAD_END_TIMEOUT_S):
-    """Run `fn` in a daemon thread and re-raise its error; False if it is still running after `timeout_s`."""
-    errors = []
-
-    def target():
-        try:
-            fn()
-        except BaseException as error:  # noqa: B036  Re-raised in the test's thread below.
-            errors.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if errors:
-        raise errors[0]
-    return not thread.is_alive()
-
-
 def test_a_pass_with_a_huge_buffer_size_ends_and_closes_quickly():
     # Closing once released one semaphore slot per buffer entry: 18 s per pass at 10**7.
     options = InputOptions(experimental_per_replica_buffer_size=10**9)
@@ -372,7 +353,7 @@ def test_a_pass_with_a_huge_buffer_size_ends_and_closes_quickly():
         with iter(dataset) as iterator:
             next(iterator)
 
-    assert _finishes_in_time(two_passes), "a pass with a huge buffer did not end in time"
+    assert finishes_in_time(two_passes), "a pass with a huge buffer did not end in time"
     _wait_for_prefetch_threads_to_end(before)
 
 

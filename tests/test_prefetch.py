@@ -8,10 +8,9 @@ import time
 import traceback
 
 import pytest
+from threads import THREAD_END_TIMEOUT_S, finishes_in_time
 
 from jaxstrategy._src.prefetch import PrefetchIterator
-
-THREAD_END_TIMEOUT_S = 5.0
 
 
 def _wait_until_ended(thread: threading.Thread) -> None:
@@ -183,27 +182,6 @@ def test_peek_does_not_consume():
         iterator.peek()
 
 
-def _finishes_in_time(fn, timeout_s=THREAD_END_TIMEOUT_S):
-    """Run `fn` in a daemon thread and re-raise its error; False if it is still running after `timeout_s`.
-
-    A hang then fails the test instead of stalling the test run.
-    """
-    errors = []
-
-    def target():
-        try:
-            fn()
-        except BaseException as error:  # noqa: B036  Re-raised in the test's thread below.
-            errors.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if errors:
-        raise errors[0]
-    return not thread.is_alive()
-
-
 @pytest.mark.parametrize("buffer_size", [2, 10**12], ids=["small", "huge"])
 def test_closing_takes_no_time_proportional_to_the_buffer_size(buffer_size):
     # Releasing a slot per buffer entry at close took 18 s at 10**7; 10**12 would take days.
@@ -219,8 +197,8 @@ def test_closing_takes_no_time_proportional_to_the_buffer_size(buffer_size):
         iterator.close()
         _wait_until_ended(iterator.thread)
 
-    assert _finishes_in_time(whole_pass), "a pass did not end and close in time"
-    assert _finishes_in_time(closed_mid_pass), "closing mid-pass did not end in time"
+    assert finishes_in_time(whole_pass), "a pass did not end and close in time"
+    assert finishes_in_time(closed_mid_pass), "closing mid-pass did not end in time"
 
 
 def _drain_from_threads(iterator, num_threads, take):
