@@ -60,7 +60,13 @@ def _is_object(x: Any) -> bool:
 def any_object_among(args: tuple[Any, ...]) -> bool:
     """Whether one of `args` itself is an NNX object: what `run`'s hot path can afford to check, so
     that a step first compiled for arrays is not handed a Module as a pytree."""
-    return _nnx() is not None and any(_is_object(arg) for arg in args)
+    if "flax.nnx" not in sys.modules:
+        return False
+    for arg in args:  # A plain loop: this runs on every call of run's hot path.
+        known = _IS_OBJECT_TYPE.get(type(arg))
+        if known or (known is None and _is_object(arg)):
+            return True
+    return False
 
 
 def callee_as_argument(
