@@ -299,6 +299,16 @@ class StrategyConformance:
         assert created.devices() == {strategy.devices[local_replica_ids(strategy)[0]]}
         assert not jaxstrategy.has_strategy()
 
+    def test_one_scope_object_can_be_entered_again_and_nested(self, strategy):
+        # TensorFlow allows `with scope: ...` twice on one `strategy.scope()` object.
+        scope = strategy.scope()
+        for _ in range(2):
+            with scope as current:
+                assert current is strategy and jaxstrategy.get_strategy() is strategy
+                with scope:
+                    assert jaxstrategy.in_cross_replica_context()
+            assert not jaxstrategy.has_strategy()
+
     def test_scope_of_the_same_strategy_nests(self, strategy):
         with strategy.scope(), strategy.scope():
             assert jaxstrategy.get_strategy() is strategy
@@ -420,6 +430,18 @@ class StrategyConformance:
 
         with pytest.raises(jaxstrategy.StrategyContextError, match=r"args=\(next\(iterator\),\)"):
             strategy.run(step, args=(1,))
+        with pytest.raises(ValueError, match=r"args=\(next\(iterator\),\)"):  # As TensorFlow.
+            strategy.run(step, args=(1,))
+
+    def test_a_distributed_iterator_or_dataset_as_an_argument_is_an_error(self, strategy):
+        dataset = strategy.experimental_distribute_dataset([np.ones(2 * strategy.num_replicas_in_sync)])
+        for given in (dataset, iter(dataset)):
+            with pytest.raises(
+                ValueError, match=r"an argument is a distributed dataset or iterator; run takes its elements"
+            ):
+                strategy.run(_double, args=(given,))
+            with pytest.raises(ValueError, match=r"Pass strategy.run\(step_fn, args=\(next\(iterator\),\)\)"):
+                strategy.run(_double, kwargs={"x": given})
 
     # --- variables ---------------------------------------------------------------------------
 

@@ -390,6 +390,10 @@ class _BatchTracker:
         return batch.signature != self._first
 
 
+class _NextInsideRunError(StrategyContextError, ValueError):
+    """`next(iterator)` inside `run`: a ValueError, as TensorFlow raises, and a context error."""
+
+
 class DistributedIterator:
     """One pass over a `DistributedDataset`, prefetching in a background thread.
 
@@ -423,7 +427,7 @@ class DistributedIterator:
 
     def __next__(self) -> PyTree:
         if contexts.STATE.get().replica_context is not None:
-            raise StrategyContextError(
+            raise _NextInsideRunError(
                 "next(iterator) should be called outside the function given to run(), e.g. "
                 "strategy.run(step_fn, args=(next(iterator),))."
             )

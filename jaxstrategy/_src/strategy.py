@@ -11,7 +11,7 @@ import abc
 import contextlib
 import dataclasses
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,7 +19,7 @@ import jax
 from jaxstrategy._src import contexts, nnx_objects
 from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
-from jaxstrategy._src.input_lib import DistributedDataset, ReplicaLayout
+from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator, ReplicaLayout
 from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.replica_batches import Grouping
@@ -174,13 +174,13 @@ class Strategy(abc.ABC):
         names = tuple(canonical_name(device) for device in self.devices)
         return StrategyExtended(worker_devices=names, parameter_devices=names)
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this strategy current, and its device JAX's default, for the `with` block.
 
         Inside, `jaxstrategy.get_strategy()` returns this strategy and arrays created by JAX land
         on its device (uncommitted, as under `jax.default_device`). Entering the scope of the same
-        strategy again is allowed; another strategy's scope, or a scope inside `run`, is an error.
+        strategy again is allowed, also through the same `scope()` object, as in TensorFlow;
+        another strategy's scope, or a scope inside `run`, is an error.
 
         The current strategy is a context variable, so asyncio tasks inherit it and new threads
         start without it; JAX's default device is per thread. So when asyncio tasks interleave
@@ -199,11 +199,7 @@ class Strategy(abc.ABC):
           >>> current is strategy, v.devices() == {strategy.device}
           (True, True)
         """
-        contexts.require_cross_replica_context(
-            self, "scope()", in_run_hint="Enter the scope outside the function given to run()."
-        )
-        with contexts.entered(self), self._default_device_scope():
-            yield self
+        return _Scope(self)
 
     def run(
         self,
@@ -315,6 +311,13 @@ class Strategy(abc.ABC):
                 f"{type(self).__name__}.run(): options must be a jaxstrategy.RunOptions; got {options!r}."
             )
         caller = f"{type(self).__name__}.run()"
+        inputs = [*args, *kwargs.values()]
+        if any(isinstance(arg, DistributedIterator | DistributedDataset) for arg in inputs):
+            raise ValueError(
+                f"{caller}: an argument is a distributed dataset or iterator; run takes its "
+                "elements. Pass strategy.run(step_fn, args=(next(iterator),)), or loop "
+                "`for batch in dataset:` and pass `batch`."
+            )
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
@@ -540,3 +543,25 @@ class Strategy(abc.ABC):
             self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
         )
         return self._init_steps(fn, args, kwargs)
+
+
+class _Scope:
+    """What `Strategy.scope()` returns: a context manager that may be entered again, and nested,
+    as TensorFlow's is (`scope = strategy.scope()`, then `with scope:` more than once)."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> Strategy:
+        contexts.require_cross_replica_context(
+            self._strategy, "scope()", in_run_hint="Enter the scope outside the function given to run()."
+        )
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(contexts.entered(self._strategy))
+            stack.enter_context(self._strategy._default_device_scope())
+            self._entered.append(stack.pop_all())
+        return self._strategy
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._entered.pop().__exit__(*exc_info)
