@@ -421,6 +421,19 @@ class StrategyConformance:
         )
         assert contexts == [pipeline]
 
+    def test_the_deprecated_name_of_distribute_datasets_from_function_warns_and_works(self, strategy):
+        n = strategy.num_replicas_in_sync
+        with pytest.warns(
+            DeprecationWarning,
+            match=r"experimental_distribute_datasets_from_function\(\) is deprecated, as in TensorFlow: call distribute_datasets_from_function\(\)",
+        ):
+            dataset = strategy.experimental_distribute_datasets_from_function(
+                lambda context: [np.ones(2)] * n
+            )
+        assert [np.shape(part) for part in strategy.experimental_local_results(next(iter(dataset)))][0] == (
+            2,
+        )
+
     def test_next_inside_run_is_an_error(self, strategy):
         n = strategy.num_replicas_in_sync
         iterator = iter(strategy.experimental_distribute_dataset([np.ones(2 * n)] * 3))

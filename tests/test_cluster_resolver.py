@@ -172,3 +172,16 @@ def test_simple_resolver_rejects_bad_facts(args, error, message):
 
 def test_num_accelerators_counts_this_process_s_accelerators():
     assert SimpleClusterResolver(None, 1, 0).num_accelerators() == {}  # CPU devices are not counted.
+
+
+def test_master_is_a_task_s_address_as_in_tensorflow(monkeypatch):
+    resolver = tf_config(
+        monkeypatch,
+        {"cluster": {"chief": ["10.0.0.9:2222"], "worker": WORKERS}, "task": {"type": "worker", "index": 1}},
+    )
+    assert resolver.master() == "10.0.0.2:2222"
+    assert resolver.master("chief", 0, rpc_layer="grpc") == "grpc://10.0.0.9:2222"
+    assert resolver.master("worker", 7) == "" and resolver.master("ps", 0) == ""
+    coordinator = SimpleClusterResolver("10.0.0.1:1234", num_processes=2, process_id=0)
+    assert (coordinator.master(), coordinator.master("worker", 1)) == ("10.0.0.1:1234", "")
+    assert SimpleClusterResolver(None, num_processes=1, process_id=0).master() == ""

@@ -41,6 +41,7 @@ STRATEGY_METHODS = (
     "devices",
     "distribute_datasets_from_function",
     "experimental_distribute_dataset",
+    "experimental_distribute_datasets_from_function",
     "experimental_distribute_values_from_function",
     "experimental_local_results",
     "extended",

@@ -65,6 +65,30 @@ class ClusterResolver:
         """The job's addresses by job name, as TensorFlow's `ClusterSpec.as_dict()`; {} when unknown."""
         return {}
 
+    def master(
+        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
+    ) -> str:
+        """The address of a task, as TensorFlow's `master()`: this process's task by default.
+
+        Returns:
+          `host:port` from `cluster_spec()`, as `rpc_layer://host:port` when `rpc_layer` is given;
+          `''` when the job lists no such task (a job of one process, say).
+
+        Example:
+          >>> import jaxstrategy
+          >>> resolver = jaxstrategy.SimpleClusterResolver('host0:1234', num_processes=2, process_id=0)
+          >>> resolver.master(), resolver.master(rpc_layer='grpc'), resolver.master('worker', 1)
+          ('host0:1234', 'grpc://host0:1234', '')
+        """
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        address = self._task_address(task_type, task_id)
+        return f"{rpc_layer}://{address}" if rpc_layer and address else address
+
+    def _task_address(self, task_type: str | None, task_id: int | None) -> str:
+        addresses = self.cluster_spec().get(task_type, []) if task_type is not None else []
+        return addresses[task_id] if task_id is not None and 0 <= task_id < len(addresses) else ""
+
     def num_accelerators(self) -> dict[str, int]:
         """The accelerators this process's JAX sees, by kind, such as `{'GPU': 8}`; {} on CPU.
 
@@ -128,6 +152,10 @@ class SimpleClusterResolver(ClusterResolver):
         self.task_type = "worker"
         self.task_id = process_id
         check_job(self, caller="SimpleClusterResolver")
+
+    def _task_address(self, task_type: str | None, task_id: int | None) -> str:
+        # Only process 0's address is known: the coordinator's.
+        return self.coordinator_address or "" if (task_type, task_id) == ("worker", 0) else ""
 
 
 def check_job(resolver: ClusterResolver, *, caller: str) -> None:

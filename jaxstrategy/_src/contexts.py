@@ -340,6 +340,8 @@ class InputContext:
       >>> context = jaxstrategy.InputContext(num_replicas_in_sync=2)
       >>> context.get_per_replica_batch_size(64)
       32
+      >>> print(context)
+      jaxstrategy.InputContext(input pipeline id 0, total: 1)
     """
 
     num_input_pipelines: int = 1
@@ -350,6 +352,10 @@ class InputContext:
         _check_count("InputContext", "num_input_pipelines", self.num_input_pipelines)
         _check_index("InputContext", "input_pipeline_id", self.input_pipeline_id, self.num_input_pipelines)
         _check_count("InputContext", "num_replicas_in_sync", self.num_replicas_in_sync)
+
+    def __str__(self) -> str:  # TensorFlow's text, with this library's name.
+        pipeline, total = self.input_pipeline_id, self.num_input_pipelines
+        return f"jaxstrategy.InputContext(input pipeline id {pipeline}, total: {total})"
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Return `global_batch_size // num_replicas_in_sync`.

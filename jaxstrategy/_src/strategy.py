@@ -11,6 +11,7 @@ import abc
 import contextlib
 import dataclasses
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import jax
 from jaxstrategy._src import contexts, nnx_objects
 from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
+from jaxstrategy._src.errors import caller_stacklevel
 from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator, ReplicaLayout
 from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
@@ -416,6 +418,30 @@ class Strategy(abc.ABC):
         return DistributedDataset(
             [dataset], layout=self._batch_layout, grouping="split", options=options, caller=caller
         )
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Deprecated, as in TensorFlow: the old name of `distribute_datasets_from_function`.
+
+        Warns with a `DeprecationWarning`, then does the same.
+
+        Example:
+          >>> import warnings, numpy as np, jaxstrategy
+          >>> with warnings.catch_warnings(record=True) as caught:
+          ...     warnings.simplefilter('always')
+          ...     inputs = jaxstrategy.OneDeviceStrategy().experimental_distribute_datasets_from_function(
+          ...         lambda context: [np.ones(2)])
+          >>> caught[0].category.__name__, [batch.shape for batch in inputs]
+          ('DeprecationWarning', [(2,)])
+        """
+        warnings.warn(
+            f"{type(self).__name__}.experimental_distribute_datasets_from_function() is deprecated, as "
+            "in TensorFlow: call distribute_datasets_from_function() instead, which does the same.",
+            DeprecationWarning,
+            stacklevel=caller_stacklevel(),
+        )
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
