@@ -576,6 +576,14 @@ def test_pad_on_one_device_gives_the_same_structure():
     assert batch.tolist() == [0, 1, 2] and mask.tolist() == [True, True, True]
 
 
+def test_one_replica_takes_unbatched_elements_whole_as_one_device_does(cpu_devices):
+    one_replica = MirroredStrategy(cpu_devices[:1])
+    elements = [{"step": np.int32(3), "x": np.arange(3.0)}, {"step": np.int32(4), "x": np.arange(2.0)}]
+    batches = list(one_replica.experimental_distribute_dataset(elements))
+    assert [int(_local(one_replica, b["step"])[0]) for b in batches] == [3, 4]
+    assert [_local(one_replica, b["x"])[0] for b in batches] == [[0.0, 1.0, 2.0], [0.0, 1.0]]
+
+
 def test_an_unbatched_element_cannot_be_split(two):
     with pytest.raises(ValueError, match=r"splits each batch along its first axis.*int64\[\]"):
         list(two.experimental_distribute_dataset([np.int64(3)]))

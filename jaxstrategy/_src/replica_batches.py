@@ -117,6 +117,9 @@ class ReplicaBatcher:
         if not self._stacked:  # One replica takes each batch whole.
             mask = np.ones(() if size is None else (size,), bool) if pad else None
             return HostBatch(element.leaves, element.treedef, mask)
+        if size is None and self._n == 1:  # One replica takes the element whole, as one device does.
+            mask = np.ones((1,), bool) if pad else None
+            return HostBatch([leaf[None] for leaf in element.leaves], element.treedef, mask)
         if size is None:
             raise ValueError(
                 f"{self._caller}: a strategy with {self._n} replicas splits each batch along its "
