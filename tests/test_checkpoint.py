@@ -459,3 +459,134 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     with checkpoint.Checkpointer(tmp_path) as checkpointer:
         assert checkpointer.all_steps() == [0] and checkpointer.latest_step() == 0
         assert checkpointer.restore()["w"].tolist() == [1.0] * 4
+
+
+# --- leaves stored under one name --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tree", "clash"),
+    [
+        (
+            {"a.b": jnp.float32(1.0), "a": {"b": jnp.float32(2.0)}},
+            "tree['a']['b'] and tree['a.b'] are both stored as 'a.b'",
+        ),
+        (
+            {"a/b": jax.random.key(0), "a": {"b": jnp.zeros(2, jnp.uint32)}},
+            "tree['a']['b'] and tree['a/b'] are both stored as 'a/b'",
+        ),
+        (
+            {"a/b": jnp.ones(3), "a": {"b": jnp.ones((2, 2))}},
+            "tree['a']['b'] and tree['a/b'] are both stored as 'a/b'",
+        ),
+    ],
+    ids=["dot", "prng-key-and-raw", "slash-shapes"],
+)
+def test_leaves_stored_under_one_name_are_refused_at_save(tmp_path, tree, clash):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Checkpointer.save(): leaves of the tree would be stored under the same name, and restore "
+            f"as one another:\n  {clash}\nRename the keys"
+        ),
+    ):
+        checkpoint.save(tmp_path, tree)
+    assert list(tmp_path.iterdir()) == [], "nothing half-written is left behind"
+
+
+def test_keys_holding_dots_and_slashes_round_trip_when_distinct(tmp_path):
+    tree = {"a.b": jnp.float32(1.0), "c/d": jax.random.key(3), "a": {"c": jnp.float32(2.0)}}
+    checkpoint.save(tmp_path, tree)
+    _assert_bit_exact(checkpoint.restore(tmp_path, target=tree), tree)
+    _assert_bit_exact(checkpoint.restore(tmp_path), tree)
+
+
+# --- 64-bit leaves -----------------------------------------------------------------------------
+
+
+def test_an_int64_leaf_too_large_for_int32_is_an_overflow_error(tmp_path):
+    checkpoint.save(tmp_path, {"i": np.array([1, 2**40 + 5], np.int64), "w": jnp.ones(1)})
+    for target in (None, {"i": np.zeros(2, np.int64), "w": jnp.ones(1)}):
+        with pytest.raises(
+            OverflowError,
+            match=re.escape(
+                f"Cannot restore the checkpoint at step 0 in {tmp_path}: leaves hold values too large "
+                "for the 32-bit integers JAX uses while `jax_enable_x64` is off:\n"
+                "  i: int64 values from 1 to 1099511627781, beyond int32\nTurn on 64-bit mode"
+            ),
+        ):
+            checkpoint.restore(tmp_path, target=target)
+
+
+def test_64_bit_leaves_that_fit_are_narrowed_onto_the_strategy(tmp_path, strategy_cpu1):
+    tree = {"i": np.array([-(2**31), 2**31 - 1], np.int64), "u": np.array([2**32 - 1], np.uint64)}
+    checkpoint.save(tmp_path, tree)
+    restored = checkpoint.restore(tmp_path, strategy=strategy_cpu1)
+    assert (restored["i"].dtype, restored["i"].tolist()) == (jnp.int32, [-(2**31), 2**31 - 1])
+    assert (restored["u"].dtype, restored["u"].tolist()) == (jnp.uint32, [2**32 - 1])
+    for leaf in restored.values():
+        assert leaf.devices() == {strategy_cpu1.device} and leaf.committed
+
+
+def test_a_float64_leaf_restores_as_float32_with_a_warning(tmp_path):
+    checkpoint.save(tmp_path, {"f": np.array([0.1], np.float64), "w": jnp.ones(1)})
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            f"Restoring the checkpoint at step 0 in {tmp_path}: ['f (float64 as float32)'] come back "
+            "with less precision"
+        )
+        + r".*jax_enable_x64",
+    ):
+        restored = checkpoint.restore(tmp_path, target={"f": np.zeros(1, np.float64), "w": jnp.ones(1)})
+    assert restored["f"].dtype == jnp.float32 and restored["f"].tolist() == [np.float32(0.1)]
+
+
+def test_64_bit_leaves_round_trip_exactly_with_x64_on(tmp_path):
+    with jax.enable_x64(True):
+        tree = {"i": jnp.array([2**40 + 5], jnp.int64), "f": jnp.array([0.1], jnp.float64)}
+        checkpoint.save(tmp_path, tree)
+        _assert_bit_exact(checkpoint.restore(tmp_path), tree)
+
+
+# --- checkpoints written by orbax alone --------------------------------------------------------
+
+
+def test_a_checkpoint_of_orbax_standard_checkpointer_restores(tmp_path, strategy_cpu1):
+    import orbax.checkpoint as ocp
+
+    tree = {"w": jnp.arange(6.0).reshape(2, 3), "layers": [jnp.int32(3)]}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "plain", tree)
+    restored = checkpoint.restore(tmp_path / "plain", strategy=strategy_cpu1)
+    _assert_bit_exact(restored, tree)
+    assert restored["w"].devices() == {strategy_cpu1.device} and restored["w"].committed
+    _assert_bit_exact(checkpoint.restore(tmp_path / "plain", target=tree), tree)
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError,
+        match=rf"{tmp_path / 'plain'} is a single checkpoint written by orbax's StandardCheckpointer, "
+        r"without steps, so it has no step 3. Restore it with step=None",
+    ):
+        checkpoint.restore(tmp_path / "plain", step=3)
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=rf"checkpoint at {tmp_path / 'plain'} \(written by orbax alone\); nothing was restored",
+    ):
+        checkpoint.restore(tmp_path / "plain", target={"w": jnp.ones(2)})
+
+
+def test_a_checkpoint_of_an_orbax_checkpoint_manager_restores(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(step, args=ocp.args.StandardSave({"w": jnp.full(2, float(step))}))
+    assert checkpoint.restore(tmp_path)["w"].tolist() == [2.0, 2.0]
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.restore(1)["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError,
+        match=rf"No checkpoint for step 5 in {tmp_path}, written by orbax's CheckpointManager; it holds "
+        r"steps \[1, 2\]",
+    ):
+        checkpoint.restore(tmp_path, step=5)

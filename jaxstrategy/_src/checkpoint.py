@@ -16,15 +16,26 @@ from and to count against `max_to_keep`. Such directories are skipped with a war
 
 Restoring builds an abstract tree of `jax.ShapeDtypeStruct`s carrying the target strategy's
 sharding, so orbax reads every array directly onto its device, committed, whatever strategy
-saved it.
+saved it. Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64,
+complex128) are read exactly onto the host instead, since orbax would cast them silently: integers
+that do not fit the 32-bit type are an OverflowError, and floats come back 32-bit with a warning.
+
+`save` refuses a tree two of whose leaves would be stored under one name (orbax joins keys with
+'.', the JSON maps with '/', so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice), rather than
+escape keys, which would rename the leaves of existing checkpoints.
+
+A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
+`ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
+restored the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +53,9 @@ from jaxstrategy._src.types import PyTree
 _STATE = "state"
 _PRNG_KEYS = "prng_keys"
 _ZERO_SIZE_SHAPES = "zero_size_shapes"
+# What orbax alone writes: the file marking a pytree item, and a one-item CheckpointManager's item.
+_ORBAX_ITEM_METADATA = "_METADATA"
+_ORBAX_DEFAULT_ITEM = "default"
 # The names orbax's standard step format gives steps: 0, 1, 2, ... without zero padding.
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 # At most this many lines of leaf differences in one message; the rest are counted.
@@ -127,7 +141,8 @@ class Checkpointer:
 
         Raises:
           TypeError: a leaf is not an array.
-          ValueError: `tree` is a bare array or holds no array; `step` is below the newest step.
+          ValueError: `tree` is a bare array or holds no array; two of its leaves would be stored
+            under one name (such as `{'a.b': x, 'a': {'b': y}}`); `step` is below the newest step.
           FileExistsError: `step` is saved already, or its directory exists holding no checkpoint.
           RuntimeError: the Checkpointer is closed.
         """
@@ -142,6 +157,7 @@ class Checkpointer:
         if found is not None:  # Flax NNX objects are saved as their state.
             tree = nnx_objects.with_states(found)
         _check_savable(tree)
+        _check_distinct_names(tree)
         if step in self._manager.all_steps():
             raise FileExistsError(
                 f"Checkpointer.save(): step {step} is already saved in {self._directory}; steps must "
@@ -219,14 +235,41 @@ class Checkpointer:
 
         The newest step is the newest complete one: step directories that hold no complete
         checkpoint are skipped with a warning (UserWarning); asking for one by `step` is an error.
+        A directory written by orbax alone (`ocp.StandardCheckpointer`, which has no steps, or an
+        `ocp.CheckpointManager` with its `default` item) is restored the same way.
+
+        While `jax_enable_x64` is off, 64-bit leaves come back 32-bit, as JAX holds them: integers
+        only when every value fits, floats with a warning (UserWarning) naming them.
 
         Raises:
           CheckpointNotFoundError: (a `FileNotFoundError`) no such step, or no steps at all.
           CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
           CorruptCheckpointError: (a `ValueError`) the step cannot be read, or its directory holds
             no complete checkpoint.
+          OverflowError: an int64 or uint64 leaf holds values beyond 32 bits while
+            `jax_enable_x64` is off.
         """
         self.wait()
+        plain = _plain_orbax_items(self._directory)
+        if plain is None:
+            step = self._complete_step(step)
+            read = functools.partial(_restore_step, self._manager, self._directory, step)
+        else:
+            read = functools.partial(_restore_item, _plain_orbax_item(plain, step, self._directory))
+        strategy = contexts.get_strategy() if strategy is None else strategy
+        if not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"Checkpointer.restore(): strategy must be a jaxstrategy strategy; got {strategy!r}."
+            )
+        found = nnx_objects.find_objects(target)
+        if found is None:
+            return read(strategy.sharding, target)
+        # Flax NNX objects in the target get the restored state, in place.
+        restored = read(strategy.sharding, nnx_objects.with_states(found))
+        return nnx_objects.update_from_states(found, restored)
+
+    def _complete_step(self, step: int | None) -> int:
+        """`step`, or the newest when None, checked to be a complete step."""
         steps, strays = self._steps()
         if step is None:
             self._warn_skipped(strays, "Checkpointer.restore()")
@@ -245,19 +288,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(
                 f"No complete checkpoint for step {step} in {self._directory}; it holds steps {steps}."
             )
-        strategy = contexts.get_strategy() if strategy is None else strategy
-        if not isinstance(strategy, Strategy):
-            raise TypeError(
-                f"Checkpointer.restore(): strategy must be a jaxstrategy strategy; got {strategy!r}."
-            )
-        found = nnx_objects.find_objects(target)
-        if found is None:
-            return _restore_step(self._manager, self._directory, step, strategy.sharding, target)
-        # Flax NNX objects in the target get the restored state, in place.
-        restored = _restore_step(
-            self._manager, self._directory, step, strategy.sharding, nnx_objects.with_states(found)
-        )
-        return nnx_objects.update_from_states(found, restored)
+        return step
 
     def close(self) -> None:
         """Wait for pending saves and release orbax's resources. Safe to call twice.
@@ -282,13 +313,14 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
 
     Args:
       directory: the checkpoint directory; created if missing. `~` stands for the home directory.
-      tree: a pytree of arrays (typed PRNG keys included).
+      tree: a pytree of arrays (typed PRNG keys included), no two of whose leaves have paths that
+        read the same with '.' or '/' between keys.
       step: the step number; None means one more than the newest step directory, complete or
         not (0 for the first).
 
     Raises:
       TypeError: a leaf is not an array.
-      ValueError: `directory` is empty.
+      ValueError: `directory` is empty; two leaves would be stored under one name.
       FileExistsError: `step` is saved already.
 
     Example:
@@ -328,6 +360,7 @@ def restore(
         checkpoint, or lacks `step`.
       CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
       CorruptCheckpointError: (a `ValueError`) the checkpoint cannot be read.
+      OverflowError: a 64-bit integer leaf does not fit 32 bits while `jax_enable_x64` is off.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxstrategy
@@ -412,6 +445,69 @@ def _stray_steps(directory: Path) -> list[int]:
     )
 
 
+def _plain_orbax_items(directory: Path) -> dict[int | None, Path] | None:
+    """The pytree items of a checkpoint written by orbax alone, by step; None for any other directory.
+
+    `ocp.StandardCheckpointer().save(directory, tree)` makes `directory` itself the item (one
+    checkpoint, under the key None); an `ocp.CheckpointManager` saving one item puts it in each
+    step's `default/`. Orbax marks a pytree item by its `_METADATA` file. A directory holding any
+    jaxstrategy step is not taken for one.
+    """
+    if not directory.is_dir():
+        return None
+    if (directory / _ORBAX_ITEM_METADATA).is_file():
+        return {None: directory}
+    items = {}
+    for entry in directory.iterdir():
+        if not _STEP_NAME.fullmatch(entry.name):
+            continue
+        if _is_complete(entry):
+            return None
+        if (entry / _ORBAX_DEFAULT_ITEM / _ORBAX_ITEM_METADATA).is_file():
+            items[int(entry.name)] = entry / _ORBAX_DEFAULT_ITEM
+    return dict(sorted(items.items())) or None
+
+
+def _plain_orbax_item(items: dict[int | None, Path], step: int | None, directory: Path) -> Path:
+    """The item of `step` (the newest when None) among a plain orbax checkpoint's `items`."""
+    if None in items:
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"Checkpointer.restore(): {directory} is a single checkpoint written by orbax's "
+                f"StandardCheckpointer, without steps, so it has no step {step!r}. Restore it with "
+                "step=None."
+            )
+        return items[None]
+    steps = list(items)
+    if step is None:
+        step = steps[-1]
+    _check_step(step, "Checkpointer.restore()")
+    if step not in items:
+        raise CheckpointNotFoundError(
+            f"No checkpoint for step {step} in {directory}, written by orbax's CheckpointManager; "
+            f"it holds steps {steps}."
+        )
+    return items[step]
+
+
+def _restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+    """Restore a pytree item written by orbax alone (no PRNG keys or zero-size arrays in it)."""
+    where = f"{item} (written by orbax alone)"
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        try:
+            saved = handler.metadata(item)
+        except Exception as error:
+            raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+        def read(abstract: PyTree) -> PyTree:
+            return handler.restore(item, args=ocp.args.StandardRestore(abstract))
+
+        return _restore_state(read, saved, {}, {}, sharding, target, where)
+    finally:
+        handler.close()
+
+
 def _check_step(step: Any, caller: str) -> None:
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
         raise ValueError(f"{caller}: step must be an int >= 0; got {step!r}.")
@@ -425,6 +521,31 @@ def _check_savable(tree: PyTree) -> None:
         raise ValueError(
             f"Checkpointer.save(): the tree {what}. Save a dict (or another pytree) of arrays, "
             "such as {'params': params}."
+        )
+
+
+def _check_distinct_names(tree: PyTree) -> None:
+    """Refuse a tree two of whose leaves would be stored under one name, to restore as one.
+
+    Orbax names a leaf by its keys joined with '.', and the maps of PRNG keys and zero-size shapes
+    by `_path_string` ('/'), so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice. Escaping the
+    keys instead would change the names of existing checkpoints' leaves.
+    """
+    first: dict[tuple[str, str], str] = {}  # (separator, name) -> the first leaf stored so
+    clashes = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shown = f"tree{jax.tree_util.keystr(path)}"
+        for separator in (".", "/"):
+            name = separator.join(_path_parts(path))
+            if (separator, name) in first:
+                clashes.append(f"{first[separator, name]} and {shown} are both stored as {name!r}")
+                break
+            first[separator, name] = shown
+    if clashes:
+        raise ValueError(
+            "Checkpointer.save(): leaves of the tree would be stored under the same name, and restore "
+            f"as one another:{bullet_list(clashes)}\nRename the keys so that no key holds '.' or '/' "
+            "where another leaf's nested keys spell the same name."
         )
 
 
@@ -485,6 +606,11 @@ def _replace_zero_size(state: PyTree) -> tuple[PyTree, dict[str, list[int]]]:
 
 def _path_string(path: tuple[Any, ...]) -> str:
     """A path in a form independent of container types: orbax saves tuples and nodes as dicts/lists."""
+    return "/".join(_path_parts(path))
+
+
+def _path_parts(path: tuple[Any, ...]) -> list[str]:
+    """The keys of `path` as strings, as orbax names them."""
     parts = []
     for entry in path:
         for attribute in ("key", "idx", "name"):
@@ -493,7 +619,7 @@ def _path_string(path: tuple[Any, ...]) -> str:
                 break
         else:
             parts.append(str(entry))
-    return "/".join(parts)
+    return parts
 
 
 # --- restore -----------------------------------------------------------------------------------
@@ -521,6 +647,24 @@ def _restore_step(
         zero_size = {path: tuple(shape) for path, shape in shapes.items()}
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+    def read(abstract: PyTree) -> PyTree:
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+        return manager.restore(step, args=args)[_STATE]
+
+    return _restore_state(read, saved, prng_impls, zero_size, sharding, target, where)
+
+
+def _restore_state(
+    read: Callable[[PyTree], PyTree],
+    saved: PyTree,
+    prng_impls: dict[str, str],
+    zero_size: dict[str, tuple[int, ...]],
+    sharding: jax.sharding.Sharding,
+    target: PyTree,
+    where: str,
+) -> PyTree:
+    """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`."""
     saved_leaves = {}
     for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
         name = _path_string(path)
@@ -531,14 +675,14 @@ def _restore_step(
         )
     else:
         abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
-    abstract = _as_stored(abstract, zero_size)
+    abstract = _wide_on_host(_as_stored(abstract, zero_size))
     try:
-        restored = manager.restore(
-            step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
-        )[_STATE]
-        restored = jax.block_until_ready(restored)  # Read errors surface here, not in the caller's step.
+        restored = jax.block_until_ready(
+            read(abstract)
+        )  # Read errors surface here, not in the caller's step.
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+    restored = _narrow_wide(restored, sharding, where)
     restored = _restore_zero_size(restored, zero_size, sharding)
     return _wrap_prng_keys(restored, prng_impls)
 
@@ -625,6 +769,78 @@ def _abstract_target(
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(abstract_leaf, target)
+
+
+# --- 64-bit leaves ----------------------------------------------------------------------------
+
+
+def _is_narrowed(dtype: Any) -> bool:
+    """Whether JAX holds `dtype` narrower (int64 as int32): so while `jax_enable_x64` is off."""
+    return np.dtype(dtype) != np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _wide_on_host(abstract: PyTree) -> PyTree:
+    """Ask orbax for each leaf JAX would narrow as an exact numpy array instead.
+
+    Orbax casts to the requested dtype as it reads, and asked for the int32 that JAX makes of an
+    int64 it wraps silently (2**40 + 5 comes back as 5); read exactly, the values are checked
+    before they are narrowed.
+    """
+
+    def on_host(leaf: jax.ShapeDtypeStruct) -> Any:
+        if not _is_narrowed(leaf.dtype):
+            return leaf
+        # A broadcast view allocates nothing; orbax reads only its shape and dtype.
+        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+
+    return jax.tree.map(on_host, abstract)
+
+
+def _narrow_wide(tree: PyTree, sharding: jax.sharding.Sharding, where: str) -> PyTree:
+    """Narrow the leaves `_wide_on_host` read as numpy to JAX's dtypes, onto `sharding`.
+
+    Integers that do not fit are an OverflowError; floats lose precision with a warning.
+    """
+    wide = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_host(leaf)]
+    overflowing, rounded = [], []
+    for path, leaf in wide:
+        narrow = np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+        if np.issubdtype(narrow, np.integer):
+            info = np.iinfo(narrow)
+            if leaf.size and (leaf.min() < info.min or leaf.max() > info.max):
+                overflowing.append(
+                    f"{_path_string(path)}: {leaf.dtype.name} values from {leaf.min()} to {leaf.max()}, "
+                    f"beyond {narrow.name}"
+                )
+        else:
+            rounded.append(f"{_path_string(path)} ({leaf.dtype.name} as {narrow.name})")
+    if overflowing:
+        raise OverflowError(
+            f"Cannot restore the checkpoint at {where}: leaves hold values too large for the 32-bit "
+            f"integers JAX uses while `jax_enable_x64` is off:{bullet_list(overflowing)}\nTurn on "
+            "64-bit mode, jax.config.update('jax_enable_x64', True), before restoring."
+        )
+    if rounded:
+        warnings.warn(
+            f"Restoring the checkpoint at {where}: {rounded} come back with less precision, as JAX "
+            "holds them while `jax_enable_x64` is off. Turn on 64-bit mode, "
+            "jax.config.update('jax_enable_x64', True), before restoring to keep them exact.",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
+    def place(leaf: Any) -> Any:
+        if not _is_host(leaf):
+            return leaf
+        narrowed = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: narrowed[index])
+
+    return jax.tree.map(place, tree)
+
+
+def _is_host(leaf: Any) -> bool:
+    # Orbax returns numpy arrays only where `_wide_on_host` asked for them.
+    return isinstance(leaf, np.ndarray)
 
 
 def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
