@@ -8,7 +8,7 @@ JSON map from the paths of typed PRNG key leaves to their implementation, becaus
 as their raw data and must be wrapped again on restore. Orbax cannot store an array with no
 elements, so each is saved as a scalar placeholder of its dtype, and a third item,
 `zero_size_shapes` (written only when there are some), maps its path to its true shape. Nothing is
-pickled.
+pickled. How leaves are stored and read back is in `stored_leaves.py`.
 
 Only a step directory holding the `state` and `prng_keys` items counts as a step: orbax lists
 steps by name alone, so a stray empty `5/` would otherwise become the newest step, to restore
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src import contexts, nnx_objects
+from jaxstrategy._src import contexts, nnx_objects, stored_leaves
 from jaxstrategy._src.errors import JaxStrategyError, bullet_list, caller_stacklevel
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.tree_checks import PYTHON_SCALARS, require_array_leaves
@@ -176,8 +176,8 @@ class Checkpointer:
                 f"Checkpointer.save(): step {step} is older than the newest saved step {latest} in "
                 f"{self._directory}; steps must grow. Save under a step above {latest}."
             )
-        state, prng_impls = _split_prng_keys(tree)
-        state, zero_size_shapes = _replace_zero_size(state)
+        state, prng_impls = stored_leaves.split_prng_keys(tree)
+        state, zero_size_shapes = stored_leaves.replace_zero_size(state)
         items = {_STATE: ocp.args.StandardSave(state), _PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
         if zero_size_shapes:  # Only then, so checkpoints without any read as they always have.
             items[_ZERO_SIZE_SHAPES] = ocp.args.JsonSave(zero_size_shapes)
@@ -528,7 +528,7 @@ def _check_distinct_names(tree: PyTree) -> None:
     """Refuse a tree two of whose leaves would be stored under one name, to restore as one.
 
     Orbax names a leaf by its keys joined with '.', and the maps of PRNG keys and zero-size shapes
-    by `_path_string` ('/'), so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice. Escaping the
+    by `stored_leaves.path_string` ('/'), so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice. Escaping the
     keys instead would change the names of existing checkpoints' leaves.
     """
     first: dict[tuple[str, str], str] = {}  # (separator, name) -> the first leaf stored so
@@ -536,7 +536,7 @@ def _check_distinct_names(tree: PyTree) -> None:
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shown = f"tree{jax.tree_util.keystr(path)}"
         for separator in (".", "/"):
-            name = separator.join(_path_parts(path))
+            name = separator.join(stored_leaves.path_parts(path))
             if (separator, name) in first:
                 clashes.append(f"{first[separator, name]} and {shown} are both stored as {name!r}")
                 break
@@ -556,70 +556,6 @@ def _no_steps_message(directory: Path) -> str:
         f"(it contains {entries or 'nothing'}). Save with jaxstrategy.checkpoint first, or pass "
         "the directory you saved to."
     )
-
-
-# --- PRNG keys ---------------------------------------------------------------------------------
-
-
-def _is_prng_key(leaf: Any) -> bool:
-    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-
-
-def _split_prng_keys(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
-    """Replace typed PRNG keys by their raw data and Python numbers by arrays; map key paths to impls."""
-    impls = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _is_prng_key(leaf):
-            impls[_path_string(path)] = str(jax.random.key_impl(leaf))
-    state = jax.tree.map(_savable, tree)
-    return state, impls
-
-
-def _savable(leaf: Any) -> Any:
-    if _is_prng_key(leaf):
-        leaf = jax.random.key_data(leaf)
-    elif isinstance(leaf, PYTHON_SCALARS):
-        # As JAX would type it (int32, float32), so a target of jnp.asarray(...) or the same
-        # Python number matches; orbax alone would save a Python int as int64.
-        leaf = jnp.asarray(leaf)
-    if jax.process_count() > 1 and isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
-        # An array of this process alone (made outside the strategy) in a job of several: orbax
-        # saves only arrays over every process, or host arrays, which the chief writes. Every
-        # process holds the same value, as they run the same program.
-        return np.asarray(leaf)
-    return leaf
-
-
-def _replace_zero_size(state: PyTree) -> tuple[PyTree, dict[str, list[int]]]:
-    """Replace arrays with no elements, which orbax cannot store, by scalars; map paths to shapes."""
-    shapes = {}
-
-    def replace(path: tuple[Any, ...], leaf: Any) -> Any:
-        if leaf.size:
-            return leaf
-        shapes[_path_string(path)] = list(leaf.shape)
-        return np.zeros((), leaf.dtype)
-
-    state = jax.tree_util.tree_map_with_path(replace, state)
-    return state, shapes
-
-
-def _path_string(path: tuple[Any, ...]) -> str:
-    """A path in a form independent of container types: orbax saves tuples and nodes as dicts/lists."""
-    return "/".join(_path_parts(path))
-
-
-def _path_parts(path: tuple[Any, ...]) -> list[str]:
-    """The keys of `path` as strings, as orbax names them."""
-    parts = []
-    for entry in path:
-        for attribute in ("key", "idx", "name"):
-            if hasattr(entry, attribute):
-                parts.append(str(getattr(entry, attribute)))
-                break
-        else:
-            parts.append(str(entry))
-    return parts
 
 
 # --- restore -----------------------------------------------------------------------------------
@@ -667,7 +603,7 @@ def _restore_state(
     """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`."""
     saved_leaves = {}
     for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
-        name = _path_string(path)
+        name = stored_leaves.path_string(path)
         saved_leaves[name] = (zero_size.get(name, tuple(meta.shape)), np.dtype(meta.dtype))
     if target is None:
         abstract = jax.tree.map(
@@ -675,46 +611,16 @@ def _restore_state(
         )
     else:
         abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
-    abstract = _wide_on_host(_as_stored(abstract, zero_size))
+    abstract = stored_leaves.wide_on_host(stored_leaves.as_stored(abstract, zero_size))
     try:
         restored = jax.block_until_ready(
             read(abstract)
         )  # Read errors surface here, not in the caller's step.
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
-    restored = _narrow_wide(restored, sharding, where)
-    restored = _restore_zero_size(restored, zero_size, sharding)
-    return _wrap_prng_keys(restored, prng_impls)
-
-
-def _as_stored(abstract: PyTree, zero_size: dict[str, tuple[int, ...]]) -> PyTree:
-    """Ask orbax for the scalar placeholder stored in place of each zero-size array."""
-    if not zero_size:
-        return abstract
-
-    def stored(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        if _path_string(path) not in zero_size:
-            return leaf
-        return jax.ShapeDtypeStruct((), leaf.dtype, sharding=leaf.sharding)
-
-    return jax.tree_util.tree_map_with_path(stored, abstract)
-
-
-def _restore_zero_size(
-    tree: PyTree, zero_size: dict[str, tuple[int, ...]], sharding: jax.sharding.Sharding
-) -> PyTree:
-    """Put back the zero-size arrays, committed to `sharding` as orbax places the others."""
-    if not zero_size:
-        return tree
-
-    def restore(path: tuple[Any, ...], leaf: Any) -> Any:
-        shape = zero_size.get(_path_string(path))
-        if shape is None:
-            return leaf
-        empty = np.zeros(shape, leaf.dtype)
-        return jax.make_array_from_callback(shape, sharding, lambda index: empty[index])
-
-    return jax.tree_util.tree_map_with_path(restore, tree)
+    restored = stored_leaves.narrow_wide(restored, sharding, where)
+    restored = stored_leaves.restore_zero_size(restored, zero_size, sharding)
+    return stored_leaves.wrap_prng_keys(restored, prng_impls)
 
 
 def _abstract_target(
@@ -728,7 +634,7 @@ def _abstract_target(
     wanted = {}
     unusable: set[str] = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        name = _path_string(path)
+        name = stored_leaves.path_string(path)
         if isinstance(leaf, PYTHON_SCALARS):
             leaf = jnp.asarray(leaf)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -765,82 +671,10 @@ def _abstract_target(
         )
 
     def abstract_leaf(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
-        shape, dtype = wanted[_path_string(path)]
+        shape, dtype = wanted[stored_leaves.path_string(path)]
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(abstract_leaf, target)
-
-
-# --- 64-bit leaves ----------------------------------------------------------------------------
-
-
-def _is_narrowed(dtype: Any) -> bool:
-    """Whether JAX holds `dtype` narrower (int64 as int32): so while `jax_enable_x64` is off."""
-    return np.dtype(dtype) != np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
-def _wide_on_host(abstract: PyTree) -> PyTree:
-    """Ask orbax for each leaf JAX would narrow as an exact numpy array instead.
-
-    Orbax casts to the requested dtype as it reads, and asked for the int32 that JAX makes of an
-    int64 it wraps silently (2**40 + 5 comes back as 5); read exactly, the values are checked
-    before they are narrowed.
-    """
-
-    def on_host(leaf: jax.ShapeDtypeStruct) -> Any:
-        if not _is_narrowed(leaf.dtype):
-            return leaf
-        # A broadcast view allocates nothing; orbax reads only its shape and dtype.
-        return np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
-
-    return jax.tree.map(on_host, abstract)
-
-
-def _narrow_wide(tree: PyTree, sharding: jax.sharding.Sharding, where: str) -> PyTree:
-    """Narrow the leaves `_wide_on_host` read as numpy to JAX's dtypes, onto `sharding`.
-
-    Integers that do not fit are an OverflowError; floats lose precision with a warning.
-    """
-    wide = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_host(leaf)]
-    overflowing, rounded = [], []
-    for path, leaf in wide:
-        narrow = np.dtype(jax.dtypes.canonicalize_dtype(leaf.dtype))
-        if np.issubdtype(narrow, np.integer):
-            info = np.iinfo(narrow)
-            if leaf.size and (leaf.min() < info.min or leaf.max() > info.max):
-                overflowing.append(
-                    f"{_path_string(path)}: {leaf.dtype.name} values from {leaf.min()} to {leaf.max()}, "
-                    f"beyond {narrow.name}"
-                )
-        else:
-            rounded.append(f"{_path_string(path)} ({leaf.dtype.name} as {narrow.name})")
-    if overflowing:
-        raise OverflowError(
-            f"Cannot restore the checkpoint at {where}: leaves hold values too large for the 32-bit "
-            f"integers JAX uses while `jax_enable_x64` is off:{bullet_list(overflowing)}\nTurn on "
-            "64-bit mode, jax.config.update('jax_enable_x64', True), before restoring."
-        )
-    if rounded:
-        warnings.warn(
-            f"Restoring the checkpoint at {where}: {rounded} come back with less precision, as JAX "
-            "holds them while `jax_enable_x64` is off. Turn on 64-bit mode, "
-            "jax.config.update('jax_enable_x64', True), before restoring to keep them exact.",
-            UserWarning,
-            stacklevel=caller_stacklevel(),
-        )
-
-    def place(leaf: Any) -> Any:
-        if not _is_host(leaf):
-            return leaf
-        narrowed = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype))
-        return jax.make_array_from_callback(leaf.shape, sharding, lambda index: narrowed[index])
-
-    return jax.tree.map(place, tree)
-
-
-def _is_host(leaf: Any) -> bool:
-    # Orbax returns numpy arrays only where `_wide_on_host` asked for them.
-    return isinstance(leaf, np.ndarray)
 
 
 def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
@@ -848,14 +682,3 @@ def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
         return "nothing"
     shape, dtype = shape_and_dtype
     return f"{dtype.name}{list(shape)}"
-
-
-def _wrap_prng_keys(tree: PyTree, prng_impls: dict[str, str]) -> PyTree:
-    if not prng_impls:
-        return tree
-
-    def wrap(path: tuple[Any, ...], leaf: Any) -> Any:
-        impl = prng_impls.get(_path_string(path))
-        return leaf if impl is None else jax.random.wrap_key_data(leaf, impl=impl)
-
-    return jax.tree_util.tree_map_with_path(wrap, tree)
