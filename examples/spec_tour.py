@@ -226,7 +226,7 @@ def show_datasets_from_function(strategy: jaxstrategy.OneDeviceStrategy) -> None
     global_batch_size = 4
 
     def dataset_fn(input_context: jaxstrategy.InputContext) -> Any:
-        print(f"dataset_fn called with {input_context}")
+        print(f"dataset_fn called with {input_context!r}")
         batch_size = input_context.get_per_replica_batch_size(global_batch_size)
         # The spec's from_tensors([[1.]]).repeat().batch(batch_size), three batches of it.
         return [np.ones((batch_size, 1), np.float32)] * 3
