@@ -782,3 +782,44 @@ def test_many_steps_in_flight_on_cpu_devices_do_not_hang():
         [sys.executable, "-c", _MANY_STEPS], capture_output=True, text=True, timeout=300, env=env, check=False
     )
     assert done.stdout == "done True\n", done.stderr[-2000:]
+
+
+_MANY_THREADS = """
+import threading, jax.numpy as jnp, jaxstrategy
+strategy = jaxstrategy.MirroredStrategy()
+batch = strategy.experimental_distribute_values_from_function(lambda c: jnp.ones((16, 16)))
+
+def step(params, x):
+    grads = jaxstrategy.get_replica_context().all_reduce("mean", jnp.sum(x, axis=0) * params)
+    return params - 0.001 * grads
+
+def worker(results, i):
+    params = strategy.put(jnp.ones(16))
+    for _ in range(400):
+        params = strategy.run(step, args=(params, batch))
+    results[i] = float(params[0]) > 0
+
+results = [False] * 8
+threads = [threading.Thread(target=worker, args=(results, i)) for i in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("done", all(results))
+"""
+
+
+def test_many_threads_running_steps_on_cpu_devices_do_not_hang():
+    # The every-8th-step wait is per strategy, across threads: counted per call only, 8 threads
+    # queued enough steps for XLA's CPU all-reduce rendezvous to abort the process (after ~40 s).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    done = subprocess.run(
+        [sys.executable, "-c", _MANY_THREADS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.stdout == "done True\n", done.stderr[-2000:]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import types
 import warnings
 import weakref
@@ -107,6 +108,11 @@ class StepCache:
         self.fast: dict[Hashable, Callable[..., Any]] = {}
         self._wait_every = wait_every
         self._calls_since_wait = 0
+        # With `wait_every`, one thread at a time dispatches and counts, so the bound on programs
+        # in flight holds for the strategy, whatever the number of threads calling `run`: with the
+        # count per call only, 8 threads on 2 CPU devices queued enough programs for XLA's
+        # collective rendezvous to abort the process (measured, jax 0.10.2).
+        self._throttle = threading.RLock()
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._settle_arrays = not isinstance(in_shardings, jax.sharding.SingleDeviceSharding)
@@ -120,6 +126,14 @@ class StepCache:
 
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
+    ) -> PyTree:
+        if self._wait_every is None:
+            return self._call(fn, args, kwargs, options)
+        with self._throttle:
+            return self._call(fn, args, kwargs, options)
+
+    def _call(
+        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
         key = function_key(fn)
         jit_options = _jit_options(options)
@@ -174,10 +188,11 @@ class StepCache:
         return outputs
 
     def _waiting(self, compiled: Callable[..., PyTree]) -> Callable[..., PyTree]:
-        waited = self._waited
+        waited, throttle = self._waited, self._throttle
 
         def call_and_maybe_wait(*args: Any) -> PyTree:
-            return waited(compiled(*args))
+            with throttle:
+                return waited(compiled(*args))
 
         return call_and_maybe_wait
 
