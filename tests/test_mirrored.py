@@ -823,3 +823,25 @@ def test_many_threads_running_steps_on_cpu_devices_do_not_hang():
         check=False,
     )
     assert done.stdout == "done True\n", done.stderr[-2000:]
+
+
+def test_local_results_reduce_and_gather_work_under_an_outer_jit(two):
+    # TensorFlow's tutorial wraps run and reduce in a tf.function; the JAX user writes jax.jit.
+    values = _per_replica(two, [np.float32([1.0, 2.0]), np.float32([3.0, 4.0])])
+
+    def step(x):
+        return x * 2, jaxstrategy.get_replica_context().all_reduce("sum", x)
+
+    def everything(x):
+        doubled, summed = two.run(step, args=(x,))
+        return (
+            two.experimental_local_results(doubled),
+            two.experimental_local_results(summed),
+            two.reduce("sum", doubled, axis=None),
+            two.gather(doubled, axis=0),
+        )
+
+    eager, jitted = everything(values), jax.jit(everything)(values)
+    for expected, got in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert [np.asarray(v).tolist() for v in jitted[0]] == [[2.0, 4.0], [6.0, 8.0]]

@@ -330,6 +330,12 @@ class MeshStrategy(Strategy):
         return getattr(array.sharding, "mesh", None) == self._mesh
 
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
+        if isinstance(leaf, jax.core.Tracer) or isinstance(getattr(leaf, "stacked", None), jax.core.Tracer):
+            # Under an outer `jax.jit` (TensorFlow's `tf.function` around run): values, not
+            # placements; a component is a slice, a replicated value itself.
+            if isinstance(leaf, PerReplica):
+                return tuple(leaf.stacked[i] for i in self._local_replica_ids)
+            return (leaf,) * len(self._local_devices)
         if isinstance(leaf, PerReplica):
             stacked = leaf.stacked
             if isinstance(stacked, jax.Array):  # This process's components, each on its device.
