@@ -330,18 +330,18 @@ class MeshStrategy(Strategy):
         return getattr(array.sharding, "mesh", None) == self._mesh
 
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
-        if isinstance(leaf, jax.core.Tracer) or isinstance(getattr(leaf, "stacked", None), jax.core.Tracer):
-            # Under an outer `jax.jit` (TensorFlow's `tf.function` around run): values, not
-            # placements; a component is a slice, a replicated value itself.
-            if isinstance(leaf, PerReplica):
-                return tuple(leaf.stacked[i] for i in self._local_replica_ids)
-            return (leaf,) * len(self._local_devices)
+        # Under an outer `jax.jit` (TensorFlow's `tf.function` around run) leaves are tracers:
+        # values, not placements, so a component is a slice and a replicated value itself.
         if isinstance(leaf, PerReplica):
             stacked = leaf.stacked
+            if isinstance(stacked, jax.core.Tracer):
+                return tuple(stacked[i] for i in self._local_replica_ids)
             if isinstance(stacked, jax.Array):  # This process's components, each on its device.
                 (stacked,) = device_put_anywhere([stacked], self._stacked_sharding)
                 return components(stacked)
             return tuple(stacked[i] for i in self._local_replica_ids)  # Host batches stay on the host.
+        if isinstance(leaf, jax.core.Tracer):
+            return (leaf,) * len(self._local_devices)
         if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
             by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
             return tuple(by_device[device] for device in self._local_devices)

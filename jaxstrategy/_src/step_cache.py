@@ -136,10 +136,10 @@ class StepCache:
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
         key = function_key(fn)
-        jit_options = _jit_options(options)
-        configured = any(jit_options)
+        chosen = jit_options(options)
+        configured = any(chosen)
         if configured:
-            key = (key, jit_options)
+            key = (key, chosen)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._add(key, fn, options, count_towards_warning=not configured)
@@ -307,7 +307,7 @@ class _CompiledStep:
         self._static_argnames = cast(tuple[str, ...], options.static_argnames)
         self.scalars_are_static = scalars_are_static
         # Jit options and static scalars need the argument leaves sorted in Python on every call.
-        self.slow_path = any(_jit_options(options)) or scalars_are_static
+        self.slow_path = any(jit_options(options)) or scalars_are_static
         resolve = weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
@@ -479,7 +479,7 @@ def _checking_layout(
     return checked
 
 
-def _jit_options(options: RunOptions | None) -> tuple[tuple[Any, ...], ...]:
+def jit_options(options: RunOptions | None) -> tuple[tuple[Any, ...], ...]:
     """The RunOptions fields that change how a step compiles: donation and static arguments."""
     if options is None:
         return ()

@@ -25,7 +25,7 @@ from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator, 
 from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.replica_batches import Grouping
-from jaxstrategy._src.step_cache import StepCache
+from jaxstrategy._src.step_cache import StepCache, jit_options
 from jaxstrategy._src.tree_checks import is_array_like
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
@@ -326,12 +326,7 @@ class Strategy(abc.ABC):
         fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is not None:
-            if options is not None and (
-                options.donate_argnums
-                or options.donate_argnames
-                or options.static_argnums
-                or options.static_argnames
-            ):
+            if any(jit_options(options)):
                 raise ValueError(
                     f"{caller}: RunOptions' donated and static arguments cannot be combined with Flax "
                     "NNX objects among the arguments (their state is passed for them). Leave those "
