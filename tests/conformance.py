@@ -38,6 +38,10 @@ def _double(x):
     return x * 2
 
 
+def _x_of(tree):
+    return tree["x"]
+
+
 def local_replica_ids(strategy) -> list[int]:
     """The ids of the replicas whose devices belong to this process: all, with one process."""
     return [i for i, d in enumerate(strategy.devices) if d.process_index == jax.process_index()]
@@ -483,6 +487,21 @@ class StrategyConformance:
         assert strategy.experimental_local_results(strategy.put(np.array([2**31 - 1])))[0].tolist() == [
             2**31 - 1
         ]
+
+    def test_run_arguments_that_32_bit_types_would_change_are_an_error(self, strategy):
+        # A global batch of 4 fits every strategy's replicas. The first call compiles the step,
+        # so the later ones take run's hot path.
+        fits = np.array([1, 2, 3, 2**31 - 1])
+        assert strategy.experimental_local_results(strategy.run(_double, args=(fits,)))
+        with pytest.raises(
+            OverflowError,
+            match=r"run\(\): these values do not fit the 32-bit types.*\n  args\[0\] is int64 with values from 1 to 1099511627781, outside int32's",
+        ):
+            strategy.run(_double, args=(np.array([1, 2, 3, 2**40 + 5]),))
+        with pytest.raises(OverflowError, match=r"args\[0\]\['x'\] is float64 with the finite value 1e\+300"):
+            strategy.run(_x_of, args=({"x": np.full(4, 1e300)},))
+        with pytest.raises(OverflowError, match=r"kwargs\['x'\] is uint64 with the value 8589934592"):
+            strategy.run(_double, kwargs={"x": np.uint64(2**33)})
 
     def test_dataset_values_that_32_bit_types_would_change_are_an_error(self, strategy):
         dataset = strategy.experimental_distribute_dataset([np.arange(8), np.full(8, 2**40 + 5)])

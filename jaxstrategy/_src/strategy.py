@@ -26,7 +26,7 @@ from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOpti
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.replica_batches import Grouping
 from jaxstrategy._src.step_cache import StepCache, jit_options
-from jaxstrategy._src.tree_checks import is_array_like
+from jaxstrategy._src.tree_checks import has_wide_host_leaf, is_array_like, require_representable
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
 
@@ -271,8 +271,13 @@ class Strategy(abc.ABC):
         if kwargs is None and options is None and type(args) is tuple:
             key = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)  # function_key
             compiled = self._compiled_runs.get(key)
-            # A Module among the arguments would go in as a pytree and its updates be lost.
-            if compiled is not None and not nnx_objects.any_object_among(args):
+            # A Module among the arguments would go in as a pytree and its updates be lost; a
+            # 64-bit numpy leaf would be narrowed to 32 bits unchecked.
+            if (
+                compiled is not None
+                and not nnx_objects.any_object_among(args)
+                and not has_wide_host_leaf(args)
+            ):
                 state = _current_state()
                 if state is _OUTSIDE_EVERY_SCOPE or (
                     state.strategy is self and state.replica_context is None
@@ -323,6 +328,8 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
+        require_representable(args, caller=caller, name="args")
+        require_representable(kwargs, caller=caller, name="kwargs")
         fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is not None:

@@ -71,6 +71,24 @@ def require_representable(tree: PyTree, *, caller: str, name: str = "value") -> 
         )
 
 
+_WIDE_NUMPY_SCALARS = frozenset({np.int64, np.uint64, np.float64})
+
+
+def has_wide_host_leaf(tree: PyTree) -> bool:
+    """Whether `tree` holds a 64-bit numpy integer or float: a leaf `require_representable` checks.
+
+    Cheap enough for `run`'s hot path, which sends trees holding one to the checked path.
+    """
+    for leaf in jax.tree.leaves(tree):
+        kind = type(leaf)
+        if kind is np.ndarray:
+            if leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf":
+                return True
+        elif kind in _WIDE_NUMPY_SCALARS:
+            return True
+    return False
+
+
 def _unrepresentable(leaf: Any) -> str | None:
     """What JAX would change in `leaf` with 32-bit types, or None."""
     if isinstance(leaf, bool) or not isinstance(leaf, int | np.ndarray | np.generic):
