@@ -407,3 +407,40 @@ def test_a_coordinator_port_in_use_is_a_clear_error_not_a_crash():
         f"RuntimeError: MultiWorkerMirroredStrategy(): this is process 0, which serves the job's coordinator at "
         f"127.0.0.1:{port}, but port {port} is already in use on this host."
     ) in completed.stderr
+
+
+ENDING_EARLY_PROGRAM = """
+import sys, jaxstrategy
+strategy = jaxstrategy.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=3)
+total = lambda x: jaxstrategy.get_replica_context().all_reduce('sum', x)
+for step in range(100_000):
+    if step == {step} and strategy.cluster_resolver.task_id == 1:
+        {ending}
+    print(step, float(strategy.run(total, args=(1.0,))), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "step, ending, told",
+    [
+        (5, "raise RuntimeError('boom')", "process 1 of 2 failed with RuntimeError: boom"),
+        (5, "sys.exit(3)", "process 1 of 2 ended: its program returned or called sys.exit"),
+        (0, "sys.exit(0)", "process 1 of 2 "),
+    ],
+    ids=["raises mid-loop", "exits mid-loop", "exits before the first step"],
+)
+def test_a_process_ending_early_ends_the_job_in_bounded_time_naming_it(step, ending, told):
+    # Before, each of these hung until killed: process 1 waited for process 0 at JAX's shutdown,
+    # process 0 for process 1 in a step (or gloo gave up after 30 s with DEADLINE_EXCEEDED).
+    program = ENDING_EARLY_PROGRAM.format(step=step, ending=ending)
+    started = time.monotonic()
+    workers = LocalWorkers(["-c", program], 2, devices_per_worker=1, env=None, cwd=None)
+    survivor, ended = workers.wait(timeout=120)
+    elapsed = time.monotonic() - started
+    described = describe_results([survivor, ended])
+    assert survivor.returncode == 1 and ended.returncode != 0, described
+    assert told in survivor.stderr, described
+    if step:
+        assert f"{step - 1} 2.0" in survivor.stdout, described  # It ran steps with the other first.
+    assert "Check failure stack trace" not in survivor.stderr + ended.stderr, described
+    assert elapsed < 45, described

@@ -21,9 +21,11 @@ import socket
 import sys
 import threading
 import warnings
+from typing import Any
 
 import jax
 
+from jaxstrategy._src import job_exits
 from jaxstrategy._src.cluster_resolver import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -32,9 +34,12 @@ from jaxstrategy._src.cluster_resolver import (
     check_job,
 )
 from jaxstrategy._src.device_spec import canonical_name
+from jaxstrategy._src.input_agreement import coordination_client
 from jaxstrategy._src.input_lib import ReplicaLayout
 from jaxstrategy._src.mirrored import MeshStrategy
+from jaxstrategy._src.options import RunOptions
 from jaxstrategy._src.strategy import StrategyExtended
+from jaxstrategy._src.types import PyTree, StepFn
 
 _CALLER = "MultiWorkerMirroredStrategy()"
 
@@ -68,7 +73,10 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
       initialization_timeout: seconds to wait for every process to join; then a message on
         stderr says what to check, and JAX ends the process soon after.
       heartbeat_timeout_seconds: seconds after which a process that stopped responding (it
-        crashed, or was killed) counts as dead; JAX then ends every other process.
+        crashed, or was killed) counts as dead; JAX then ends every other process. Also how
+        long a process whose program ended waits at exit for the others to end too: any still
+        running then are ended (see README, "Many processes"), as are all of them at once when
+        one raises an uncaught exception.
       input_timeout_seconds: seconds a process's distributed dataset waits for the other
         processes' at one step before it raises a `TimeoutError`: they wait forever when
         processes create or iterate datasets in different orders. Raise it if one process may
@@ -116,6 +124,10 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         # Process by process, so that each process's replicas are consecutive.
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         super().__init__(devices)
+        if jax.process_count() > 1:
+            job_exits.watch_job(
+                coordination_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_seconds
+            )
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -146,6 +158,13 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
+
+    def _run_checked(
+        self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
+    ) -> PyTree:
+        # Compiling and first steps take this path: a process that ended would leave them waiting.
+        job_exits.raise_if_a_process_ended(f"{type(self).__name__}.run()")
+        return super()._run_checked(fn, args, kwargs, options)
 
     @property
     def _input_pipeline(self) -> tuple[int, int]:
