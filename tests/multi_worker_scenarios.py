@@ -149,6 +149,65 @@ def mismatched_datasets() -> dict[str, Any]:
         return {"error": str(error)}
 
 
+def shapes_that_differ_between_processes(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """Each process's parts fit its own replicas but not the other process's: an error on both,
+    never a global array of memory nobody wrote."""
+    errors = {}
+    try:
+        value = strategy.experimental_distribute_values_from_function(
+            lambda context: np.ones(jax.process_index() + 1, np.float32)
+        )
+        errors["values"] = f"no error: gathered {np.asarray(strategy.gather(value, axis=0)).tolist()}"
+    except ValueError as error:
+        errors["values"] = str(error)
+
+    def dataset_fn(context: jaxstrategy.InputContext) -> list[np.ndarray]:
+        # Per-replica batches for this process's two replicas: two steps, with process 1's last
+        # batches short.
+        last = 2 if context.input_pipeline_id == 0 else 1
+        return [np.ones((2, 2), np.float32)] * 2 + [np.ones((last, 2), np.float32)] * 2
+
+    gathered = []
+    try:
+        for batch in strategy.distribute_datasets_from_function(dataset_fn):
+            gathered.append(np.asarray(strategy.gather(batch, axis=0)).tolist())
+        errors["dataset"] = f"no error: gathered {gathered}"
+    except ValueError as error:
+        errors["dataset"] = str(error)
+    return {"errors": errors, "steps_before": len(gathered)}
+
+
+def under_jit(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, Any]:
+    """TF's tutorial wraps run and reduce in a tf.function; here they go inside one jax.jit."""
+    value = strategy.experimental_distribute_values_from_function(
+        lambda context: jnp.full((2,), context.replica_id_in_sync_group, jnp.float32)
+    )
+
+    @jax.jit
+    def step_and_combine(x: Any) -> Any:
+        out = strategy.run(lambda v: v * 2, args=(x,))
+        return {
+            "sum": strategy.reduce("sum", out, axis=None),
+            "mean": strategy.reduce("mean", out, axis=0),
+            "gathered": strategy.gather(out, axis=0),
+        }
+
+    combined = step_and_combine(value)
+    try:
+        jax.jit(lambda x: strategy.experimental_local_results(strategy.run(lambda v: v * 2, args=(x,))))(
+            value
+        )
+        local_error = "no error"
+    except ValueError as error:
+        local_error = str(error)
+    return {
+        "sum": np.asarray(combined["sum"]).tolist(),
+        "mean": np.asarray(combined["mean"]).tolist(),
+        "gathered": np.asarray(combined["gathered"]).tolist(),
+        "local_results_error": local_error,
+    }
+
+
 def save_checkpoint(strategy: jaxstrategy.MultiWorkerMirroredStrategy, directory: Path) -> dict[str, Any]:
     """Both processes save one checkpoint: a replicated variable and a value sharded over them."""
     per_replica = strategy.experimental_distribute_values_from_function(
@@ -174,7 +233,9 @@ def main(output_dir: Path) -> None:
     results["unequal_inputs"] = unequal_inputs(strategy)
     results["per_replica_inputs"] = per_replica_inputs(strategy)
     results["python_numbers"] = python_numbers(strategy)
-    results["mismatched_datasets"] = mismatched_datasets()
+    results["shapes_that_differ"] = shapes_that_differ_between_processes(strategy)
+    results["under_jit"] = under_jit(strategy)
+    results["mismatched_datasets"] = mismatched_datasets()  # Last: the processes' datasets differ.
     results["checkpoint"] = save_checkpoint(strategy, output_dir / "checkpoint")
     path = output_dir / f"process-{jax.process_index()}.json"
     path.write_text(json.dumps(results, indent=1))

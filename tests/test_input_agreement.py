@@ -27,7 +27,8 @@ class OtherProcessHas:
         self.steps = steps
         self.asked: list[tuple[int, bool]] = []
 
-    def count(self, step: int, has_batch: bool) -> int:
+    def count(self, step: int, signature: str | None) -> int:
+        has_batch = signature is not None
         self.asked.append((step, has_batch))
         return int(has_batch) + int(step < self.steps)
 
@@ -74,7 +75,7 @@ def test_dropped_batches_pass_through_without_a_step_of_their_own():
 
 def test_a_consumer_that_went_away_ends_the_pass_quietly():
     class Gone(OtherProcessHas):
-        def count(self, step, has_batch):
+        def count(self, step, signature):
             return None
 
     assert list(agreed_steps(iter(["a"]), Gone(5), cardinality=-2, caller=CALLER)) == []
@@ -99,6 +100,9 @@ class FakeCoordinationService:
             self.store[key] = value
             self.changed.notify_all()
 
+    def key_value_dir_get(self, directory):
+        return [(key, value) for key, value in self.store.items() if key.startswith(directory)]
+
     def blocking_key_value_get(self, key, timeout_in_ms):
         with self.changed:
             if not self.changed.wait_for(lambda: key in self.store, timeout=timeout_in_ms / 1000):
@@ -111,11 +115,12 @@ class FakeCoordinationService:
         return self.store[key]
 
     def key_value_delete(self, key):
-        with self.changed:
-            self.store.pop(key, None)
+        with self.changed:  # As the service does: the key and every key under it.
+            for stored in [k for k in self.store if k == key or k.startswith(f"{key}/")]:
+                del self.store[stored]
 
 
-def agreement(service, *, stop=None, timeout_s=30.0, n=2):
+def agreement(service, *, stop=None, timeout_s=30.0, n=2, process_id=0):
     return StepAgreement(
         "ns",
         stop=stop or threading.Event(),
@@ -123,18 +128,22 @@ def agreement(service, *, stop=None, timeout_s=30.0, n=2):
         timeout_s=timeout_s,
         client=service,
         num_processes=n,
+        process_id=process_id,
     )
 
 
 def test_two_processes_agree_step_by_step_and_clean_up_after_themselves():
     service = FakeCoordinationService()
-    first, second = agreement(service), agreement(service)
-    has = {first: [True, True, True], second: [True, True, False]}  # The second one's input ends first.
+    first, second = agreement(service), agreement(service, process_id=1)
+    has = {
+        first: ["f32[2]", "f32[2]", "f32[2]"],
+        second: ["f32[2]", "f32[2]", None],
+    }  # The second ends first.
     counts: dict[object, list] = {first: [], second: []}
 
     def take_part(side):
-        for step, has_batch in enumerate(has[side]):
-            counts[side].append(side.count(step, has_batch))
+        for step, signature in enumerate(has[side]):
+            counts[side].append(side.count(step, signature))
 
     other = threading.Thread(target=take_part, args=(second,))
     other.start()
@@ -148,7 +157,7 @@ def test_closing_the_iterator_ends_a_wait():
     stop = threading.Event()
     alone = agreement(FakeCoordinationService(), stop=stop)
     threading.Timer(0.2, stop.set).start()
-    assert alone.count(0, True) is None
+    assert alone.count(0, "f32[2]") is None
 
 
 def test_waiting_past_the_timeout_names_the_step_and_how_many_arrived():
@@ -157,7 +166,7 @@ def test_waiting_past_the_timeout_names_the_step_and_how_many_arrived():
         TimeoutError,
         match=rf"{re.escape(CALLER)}: process 0 waited 0 s .* step 4 of this dataset's pass, and only 1 of 2 did",
     ):
-        alone.count(4, True)
+        alone.count(4, "f32[2]")
 
 
 def test_other_coordination_errors_are_raised():
@@ -166,4 +175,32 @@ def test_other_coordination_errors_are_raised():
             raise jax.errors.JaxRuntimeError("UNAVAILABLE: the coordinator went away")
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):
-        agreement(Broken()).count(0, True)
+        agreement(Broken()).count(0, "f32[2]")
+
+
+def test_batches_that_do_not_fit_together_are_an_error_on_every_process():
+    # Two processes whose second batches differ in shape: assembled, they would make a global
+    # array of memory nobody wrote. Both raise, naming what each has.
+    service = FakeCoordinationService()
+    sides = [agreement(service, process_id=0), agreement(service, process_id=1)]
+    signatures = [["f32[4, 2]", "f32[4, 2]"], ["f32[4, 2]", "f32[3, 2]"]]
+    errors: list[BaseException] = []
+
+    def take_part(side, mine):
+        try:
+            for step, signature in enumerate(mine):
+                assert side.count(step, signature) == 2
+        except ValueError as error:
+            errors.append(error)
+
+    other = threading.Thread(target=take_part, args=(sides[1], signatures[1]))
+    other.start()
+    take_part(sides[0], signatures[0])
+    other.join(timeout=30)
+    assert len(errors) == 2
+    for error in errors:
+        assert str(error).startswith(
+            f"{CALLER}: at step 1 of this pass, the processes' batches differ in structure, shape "
+            "or dtype, so they cannot make one global batch"
+        )
+        assert "\n  process 0: f32[4, 2]\n  process 1: f32[3, 2]\nGive every process" in str(error)

@@ -291,6 +291,41 @@ def test_datasets_made_in_different_orders_time_out_with_a_clear_error(scenarios
         )
 
 
+def test_parts_that_differ_between_processes_are_an_error_on_every_process(scenarios):
+    # Before, gather returned memory nobody wrote ([545193985, 0, 1, 1]) and gloo then aborted.
+    seen, _ = scenarios
+    for process in seen:
+        errors = process["shapes_that_differ"]["errors"]
+        assert errors["values"] == (
+            "MultiWorkerMirroredStrategy.experimental_distribute_values_from_function(): value_fn's "
+            "results differ between processes in structure, shape or dtype, so they cannot make one "
+            "value over every replica (one program runs on all of them):\n"
+            "  process 0: PyTreeDef(*): float32[1]\n  process 1: PyTreeDef(*): float32[2]\n"
+            "Make every process's results the same shape and dtype."
+        )
+        assert errors["dataset"].startswith(
+            "MultiWorkerMirroredStrategy.distribute_datasets_from_function(): at step 1 of this pass, "
+            "the processes' batches differ in structure, shape or dtype, so they cannot make one "
+            "global batch (one program runs on every replica):\n"
+            "  process 0: PyTreeDef(*): float32[2, 2, 2]\n  process 1: PyTreeDef(*): float32[2, 1, 2]\n"
+        )
+        assert process["shapes_that_differ"]["steps_before"] == 1  # The first step fit.
+
+
+def test_reduce_and_gather_work_under_an_outer_jit_across_processes(scenarios):
+    seen, _ = scenarios
+    for process in seen:
+        result = process["under_jit"]
+        # Replica r holds [2r, 2r] after the step.
+        assert result["sum"] == [12.0, 12.0]
+        assert result["mean"] == 3.0
+        assert result["gathered"] == [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
+        assert result["local_results_error"].startswith(
+            "MultiWorkerMirroredStrategy.experimental_local_results(): called under jax.jit"
+        )
+        assert "call experimental_local_results outside it" in result["local_results_error"]
+
+
 def test_a_checkpoint_saved_by_two_processes_restores_in_one(scenarios, cpu_devices):
     seen, output = scenarios
     per_replica = [[float(i)] * 2 for i in range(4)]

@@ -3,16 +3,21 @@
 Each process reads its own input. If one process's input ends while the others still have
 batches, the others would go on to a step the first never runs and wait forever in its
 collectives. So before each step's batch is handed out, the processes agree on how many of them
-have one, and a pass ends for all at the first step where not every process has one.
+have one, and a pass ends for all at the first step where not every process has one. They also
+check that their batches fit together: parts of different shapes (a short last batch on one
+process) would make a global array of memory nobody wrote, so that is an error on every process.
 
 They agree through JAX's coordination service: the key-value store that every process of a
 `jax.distributed` job reaches through its coordinator. No device takes part, so agreeing runs in
 the input thread, ahead of the training steps, and never queues behind them. Each step costs one
-atomic increment per process, and one blocking read for all but the last to arrive:
+write and one atomic increment per process, one blocking read for all but the last to arrive,
+and one read of every signature for the last:
 
-- a process adds `1 + has_batch * (num_processes + 1)` to the step's counter, so the sum
+- a process with a batch writes its signature (structure, shapes, dtypes) under the step;
+- it adds `1 + has_batch * (num_processes + 1)` to the step's counter, so the sum
   carries both how many processes have arrived and how many of them have a batch;
-- the last to arrive publishes how many have a batch, and deletes the previous step's keys
+- the last to arrive publishes how many have a batch, or, when all have one but the signatures
+  differ, what each process has; and it deletes the previous step's keys
   (every process has read them: each read them before arriving here);
 - the others wait for that result, a second at a time so that closing the iterator ends the
   wait, and give up with an error after `timeout_s`;
@@ -34,7 +39,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from jaxstrategy._src.replica_batches import DroppedBatch
+from jaxstrategy._src.replica_batches import DroppedBatch, HostBatch
 
 T = TypeVar("T")
 
@@ -68,6 +73,7 @@ class StepAgreement:
       timeout_s: how long to wait for the other processes at one step.
       client: the coordination service's client (JAX's when None).
       num_processes: how many processes agree (JAX's process count when None).
+      process_id: this process's index among them (JAX's when None).
     """
 
     def __init__(
@@ -79,9 +85,11 @@ class StepAgreement:
         timeout_s: float,
         client: Any = None,
         num_processes: int | None = None,
+        process_id: int | None = None,
     ):
         self._client = coordination_client() if client is None else client
         self._num_processes = jax.process_count() if num_processes is None else num_processes
+        self._process_id = jax.process_index() if process_id is None else process_id
         self._namespace = namespace
         self._stop = stop
         self._caller = caller
@@ -91,49 +99,88 @@ class StepAgreement:
     def num_processes(self) -> int:
         return self._num_processes
 
-    def count(self, step: int, has_batch: bool) -> int | None:
+    def count(self, step: int, signature: str | None) -> int | None:
         """How many processes have a batch at `step`; None when the consumer went away meanwhile.
 
+        Args:
+          step: the step, counted from 0 in the pass.
+          signature: this process's batch's structure, shapes and dtypes; None when it has none.
+
         Raises:
+          ValueError: every process has a batch, but their signatures differ (one program cannot
+            take them: the global arrays would be assembled from parts that do not fit).
           TimeoutError: the other processes did not reach `step` within the timeout.
         """
         n = self._num_processes
         key = f"{self._namespace}/{step}"
+        has_batch = signature is not None
+        if has_batch:
+            self._client.key_value_set(f"{key}/signature/{self._process_id}", signature)
         total = self._client.key_value_increment(f"{key}/count", 1 + int(has_batch) * (n + 1))
         arrived, with_batch = total % (n + 1), total // (n + 1)
         if arrived == n:
-            self._client.key_value_set(f"{key}/result", str(with_batch))
+            result = str(with_batch)
+            if with_batch == n:
+                signatures = dict(self._client.key_value_dir_get(f"{key}/signature/"))
+                if len(set(signatures.values())) > 1:
+                    result = _mismatch(signatures)
+            self._client.key_value_set(f"{key}/result", result)
             if step:
                 self._delete(step - 1)
         else:
-            with_batch = self._wait_for_result(key, step)
-        if with_batch is not None and with_batch < n:  # The pass ends here: the last one out cleans up.
+            result = self._wait_for_result(key, step)
+        if result is None:
+            return None
+        if not result.isdigit():
+            # Every process raises; the pass's keys stay, as a pass ended by an error may.
+            raise ValueError(f"{self._caller}: at step {step} of this pass, {result}")
+        with_batch = int(result)
+        if with_batch < n:  # The pass ends here: the last one out cleans up.
             if self._client.key_value_increment(f"{key}/done", 1) == n:
                 self._delete(step)
         return with_batch
 
     def _delete(self, step: int) -> None:
-        for name in ("count", "result", "done"):
-            self._client.key_value_delete(f"{self._namespace}/{step}/{name}")
+        self._client.key_value_delete(f"{self._namespace}/{step}")  # With every key under it.
 
-    def _wait_for_result(self, key: str, step: int) -> int | None:
+    def _wait_for_result(self, key: str, step: int) -> str | None:
         deadline = time.monotonic() + self._timeout_s
         while not self._stop.is_set():
             try:
-                return int(self._client.blocking_key_value_get(f"{key}/result", _POLL_MS))
+                return str(self._client.blocking_key_value_get(f"{key}/result", _POLL_MS))
             except jax.errors.JaxRuntimeError as error:
                 if "DEADLINE_EXCEEDED" not in str(error):
                     raise
             if time.monotonic() > deadline:
                 arrived = int(self._client.key_value_try_get(f"{key}/count")) % (self._num_processes + 1)
                 raise TimeoutError(
-                    f"{self._caller}: process {jax.process_index()} waited {self._timeout_s:.0f} s for "
+                    f"{self._caller}: process {self._process_id} waited {self._timeout_s:.0f} s for "
                     f"the other processes to reach step {step} of this dataset's pass, and only "
                     f"{arrived} of {self._num_processes} did. Every process must create and iterate "
                     "the same distributed datasets in the same order (the same passes, and the same "
                     "element_spec reads)."
                 )
         return None
+
+
+def batch_signature(batch: Any) -> str:
+    """What must match across processes for their parts of a batch to make one global batch."""
+    if not isinstance(batch, HostBatch):
+        return ""
+    leaves = ", ".join(f"{leaf.dtype}{list(leaf.shape)}" for leaf in batch.leaves)
+    mask = "" if batch.mask is None else f" with mask {list(batch.mask.shape)}"
+    return f"{batch.treedef}: {leaves}{mask}"
+
+
+def _mismatch(signatures: dict[str, str]) -> str:
+    by_process = sorted((int(key.rpartition("/")[2]), signature) for key, signature in signatures.items())
+    lines = "".join(f"\n  process {process}: {signature}" for process, signature in by_process)
+    return (
+        "the processes' batches differ in structure, shape or dtype, so they cannot make one "
+        f"global batch (one program runs on every replica):{lines}\nGive every process batches "
+        "of the same shapes: the same per-process batch size, with the remainder dropped "
+        "(drop_remainder=True) or padded (InputOptions(partial_batch='pad'))."
+    )
 
 
 def agreed_steps(
@@ -157,7 +204,7 @@ def agreed_steps(
             yield item
             item = next(batches, None)
         has_batch = item is not None
-        with_batch = agreement.count(step, has_batch)
+        with_batch = agreement.count(step, batch_signature(item) if has_batch else None)
         if with_batch is None:
             return  # The consumer went away.
         if with_batch == n:
@@ -177,3 +224,44 @@ def agreed_steps(
                 "number of batches, for example by sharding the data evenly and dropping the remainder."
             )
         return
+
+
+_value_serials = itertools.count()
+
+
+def require_same_on_every_process(signature: str, *, what: str, caller: str, timeout_s: float) -> None:
+    """Raise a ValueError on every process unless all of them pass the same `signature`.
+
+    Each process writes its signature under a key of its own (the calls' order, the same on every
+    process, names the call), reads the others', and the last to read deletes the call's keys.
+
+    Raises:
+      ValueError: the signatures differ; the message lists each process's.
+      TimeoutError: some process did not make this call within `timeout_s`.
+    """
+    client = coordination_client()
+    n, me = jax.process_count(), jax.process_index()
+    namespace = f"jaxstrategy/values/{next(_value_serials)}"
+    client.key_value_set(f"{namespace}/signature/{me}", signature)
+    signatures = {}
+    for process in range(n):
+        try:
+            signatures[process] = str(
+                client.blocking_key_value_get(f"{namespace}/signature/{process}", int(timeout_s * 1000))
+            )
+        except jax.errors.JaxRuntimeError as error:
+            if "DEADLINE_EXCEEDED" not in str(error):
+                raise
+            raise TimeoutError(
+                f"{caller}: process {me} waited {timeout_s:.0f} s for process {process} to make the "
+                "same call. Every process must make the same calls in the same order."
+            ) from None
+    if client.key_value_increment(f"{namespace}/done", 1) == n:
+        client.key_value_delete(namespace)
+    if len(set(signatures.values())) > 1:
+        lines = "".join(f"\n  process {process}: {s}" for process, s in sorted(signatures.items()))
+        raise ValueError(
+            f"{caller}: {what} differ between processes in structure, shape or dtype, so they cannot "
+            f"make one value over every replica (one program runs on all of them):{lines}\nMake every "
+            "process's results the same shape and dtype."
+        )

@@ -32,6 +32,7 @@ from jaxstrategy._src.errors import (
     format_argument_path,
     format_path,
 )
+from jaxstrategy._src.input_agreement import require_same_on_every_process
 from jaxstrategy._src.input_lib import ReplicaLayout
 from jaxstrategy._src.per_replica import PerReplica, check_replica_count, components, is_per_replica
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
@@ -185,6 +186,14 @@ class MeshStrategy(Strategy):
             describe=_describe_value_path,
         )
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        if self._is_multi_process and any(_is_traced(leaf) for leaf in leaves):
+            raise ValueError(
+                f"{type(self).__name__}.experimental_local_results(): called under jax.jit (a leaf is "
+                "a tracer). Each process's local results differ, and one jitted program runs on "
+                "every process, so it cannot return them. Return the value (the PerReplica) from "
+                "the jitted function and call experimental_local_results outside it; reduce and "
+                "gather work under jax.jit."
+            )
         per_leaf = [self._local_copies(leaf) for leaf in leaves]
         count = len(self._local_devices)
         return tuple(jax.tree.unflatten(treedef, [copies[i] for copies in per_leaf]) for i in range(count))
@@ -234,6 +243,15 @@ class MeshStrategy(Strategy):
         for j, (path, _) in enumerate(flat[0][0]):
             replica_values = [paths_and_leaves[j][1] for paths_and_leaves, _ in flat]
             leaves.append(self._stack_components(replica_values, format_path("value", path), caller))
+        if self._is_multi_process:
+            # Each process checked its own replicas' results; parts of other shapes elsewhere
+            # would make global arrays of memory nobody wrote.
+            require_same_on_every_process(
+                _signature(treedef, leaves),
+                what="value_fn's results",
+                caller=caller,
+                timeout_s=self._batch_layout.input_timeout_s,
+            )
         return jax.tree.unflatten(treedef, leaves)
 
     # Hooks of Strategy.
@@ -380,7 +398,9 @@ class MeshStrategy(Strategy):
             ]
             raise ValueError(
                 f"{caller}: {where} must have the same shape and dtype on every replica, since one "
-                f"program runs on all of them; got:{bullet_list(found)}"
+                f"program runs on all of them; got:{bullet_list(found)}\nTensorFlow allows "
+                "components of different shapes; here pad them to one shape and carry a mask of "
+                "the real entries (see the README's MirroredStrategy departures)."
             )
         stacked_parts = [part[None] for part in parts]
         shape = (len(self._devices), *parts[0].shape)
@@ -475,6 +495,21 @@ def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, 
             f"({', '.join(platforms)}); one program runs on all replicas, so use devices of one kind."
         )
     return resolved
+
+
+def _is_traced(leaf: Any) -> bool:
+    return isinstance(leaf.stacked if isinstance(leaf, PerReplica) else leaf, jax.core.Tracer)
+
+
+def _signature(treedef: Any, leaves: list[Any]) -> str:
+    """The structure, component shapes and dtypes of a value; the reprs of its other leaves."""
+    described = [
+        f"{leaf.stacked.dtype}{list(leaf.stacked.shape[1:])}"
+        if isinstance(leaf, PerReplica)
+        else repr(leaf)[:200]
+        for leaf in leaves
+    ]
+    return f"{treedef}: {', '.join(described)}"
 
 
 def _component_view(leaf: PerReplica) -> np.ndarray:

@@ -85,7 +85,10 @@ def device_put_anywhere(
         return jax.device_put(leaves, sharding, may_alias=may_alias)
     return [
         _parts_from_this_process(leaf, where)
-        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and not where.is_fully_addressable
+        if isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)  # Under an outer jit: a sharding constraint.
+        and leaf.is_fully_addressable
+        and not where.is_fully_addressable
         else jax.device_put(leaf, where, may_alias=may_alias)
         for leaf, where in zip(leaves, shardings, strict=True)
     ]
