@@ -72,6 +72,8 @@ def require_representable(tree: PyTree, *, caller: str, name: str = "value") -> 
 
 
 _WIDE_NUMPY_SCALARS = frozenset({np.int64, np.uint64, np.float64})
+# Leaf types that never hold a 64-bit host value (JAX checks Python ints' range itself).
+_NARROW_TYPES = frozenset({type(jnp.zeros(())), bool, int, float, complex})
 
 
 def has_wide_host_leaf(tree: PyTree) -> bool:
@@ -79,6 +81,8 @@ def has_wide_host_leaf(tree: PyTree) -> bool:
 
     Cheap enough for `run`'s hot path, which sends trees holding one to the checked path.
     """
+    if type(tree) is tuple and all(type(arg) in _NARROW_TYPES for arg in tree):
+        return False  # Spares the flattening: run's arguments are often arrays and numbers.
     for leaf in jax.tree.leaves(tree):
         kind = type(leaf)
         if kind is np.ndarray:
