@@ -72,8 +72,9 @@ def require_representable(tree: PyTree, *, caller: str, name: str = "value") -> 
 
 
 _WIDE_NUMPY_SCALARS = frozenset({np.int64, np.uint64, np.float64})
-# Leaf types that never hold a 64-bit host value (JAX checks Python ints' range itself).
-_NARROW_TYPES = frozenset({type(jnp.zeros(())), bool, int, float, complex})
+# Python number types, which never hold a 64-bit host value (JAX checks Python ints' range
+# itself); by exact type, since numpy's float64 is a subclass of float.
+_PYTHON_NUMBER_TYPES = frozenset(PYTHON_SCALARS)
 
 
 def has_wide_host_leaf(tree: PyTree) -> bool:
@@ -81,7 +82,9 @@ def has_wide_host_leaf(tree: PyTree) -> bool:
 
     Cheap enough for `run`'s hot path, which sends trees holding one to the checked path.
     """
-    if type(tree) is tuple and all(type(arg) in _NARROW_TYPES for arg in tree):
+    if type(tree) is tuple and all(
+        type(arg) in _PYTHON_NUMBER_TYPES or isinstance(arg, jax.Array) for arg in tree
+    ):
         return False  # Spares the flattening: run's arguments are often arrays and numbers.
     for leaf in jax.tree.leaves(tree):
         kind = type(leaf)
