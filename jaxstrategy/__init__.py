@@ -11,6 +11,7 @@ from jaxstrategy._src.cluster_resolver import TFConfigClusterResolver as TFConfi
 from jaxstrategy._src.contexts import InputContext as InputContext
 from jaxstrategy._src.contexts import ReplicaContext as ReplicaContext
 from jaxstrategy._src.contexts import ValueContext as ValueContext
+from jaxstrategy._src.contexts import experimental_set_strategy as experimental_set_strategy
 from jaxstrategy._src.contexts import get_replica_context as get_replica_context
 from jaxstrategy._src.contexts import get_strategy as get_strategy
 from jaxstrategy._src.contexts import has_strategy as has_strategy
@@ -69,6 +70,7 @@ __all__ = (
     "StrategyContextError",
     "TFConfigClusterResolver",
     "ValueContext",
+    "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

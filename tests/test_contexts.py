@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import jaxstrategy
@@ -74,3 +76,33 @@ def test_input_context_errors():
         InputContext(input_pipeline_id=1)
     with pytest.raises(ValueError, match=r"InputContext\(num_input_pipelines=0\): expected an int >= 1"):
         InputContext(num_input_pipelines=0)
+
+
+def test_experimental_set_strategy_makes_a_strategy_current_until_replaced_or_undone():
+    one, other = jaxstrategy.OneDeviceStrategy("/cpu:0"), jaxstrategy.OneDeviceStrategy("/cpu:1")
+    try:
+        jaxstrategy.experimental_set_strategy(one)
+        assert jaxstrategy.get_strategy() is one and jaxstrategy.in_cross_replica_context()
+        with one.scope():  # Its scope on top (another's is an error, as in TensorFlow), then back.
+            assert jaxstrategy.get_strategy() is one
+        with pytest.raises(jaxstrategy.StrategyContextError, match="Mixing different Strategy objects"):
+            with other.scope():
+                pass
+        assert jaxstrategy.get_strategy() is one
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(jaxstrategy.has_strategy()))
+        thread.start()
+        thread.join()
+        assert seen == [False]  # A new thread starts outside every scope, as with scope().
+        with pytest.raises(RuntimeError, match=r"Must not be called inside .* scope .*inside run"):
+            one.run(lambda: jaxstrategy.experimental_set_strategy(None))
+        jaxstrategy.experimental_set_strategy(other)  # Replaces the one it set.
+        assert jaxstrategy.get_strategy() is other
+    finally:
+        jaxstrategy.experimental_set_strategy(None)
+    assert not jaxstrategy.has_strategy()
+
+
+def test_experimental_set_strategy_takes_a_strategy_or_none():
+    with pytest.raises(TypeError, match=r"expected a jaxstrategy strategy or None; got '/cpu:0'"):
+        jaxstrategy.experimental_set_strategy("/cpu:0")

@@ -92,6 +92,51 @@ def get_strategy() -> Strategy:
     return _default_strategy() if strategy is None else strategy
 
 
+# The state `experimental_set_strategy` installed in this context, which it may replace.
+_SET_STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
+    "jaxstrategy_set_state", default=None
+)
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Make `strategy` current without a `with` block, as entering its `scope()` would; None undoes it.
+
+    As in TensorFlow, it replaces the strategy it set before, and it must not be called inside
+    a `scope()` (a strategy it set itself does not count). It applies to this thread (more
+    precisely, this `contextvars` context): new threads start without a strategy.
+
+    Raises:
+      RuntimeError: called inside a strategy's `scope()` or inside `run`.
+      TypeError: `strategy` is neither a strategy nor None.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+      >>> jaxstrategy.experimental_set_strategy(strategy)
+      >>> jaxstrategy.get_strategy() is strategy, jaxstrategy.in_cross_replica_context()
+      (True, True)
+      >>> jaxstrategy.experimental_set_strategy(None)
+      >>> jaxstrategy.has_strategy()
+      False
+    """
+    from jaxstrategy._src.strategy import Strategy
+
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"experimental_set_strategy(): expected a jaxstrategy strategy or None; got {strategy!r}."
+        )
+    state = STATE.get()
+    if state is not OUTSIDE_EVERY_SCOPE and state is not _SET_STATE.get():
+        where = "inside run" if state.replica_context is not None else "in its scope"
+        raise RuntimeError(
+            "experimental_set_strategy(): Must not be called inside a `jaxstrategy.Strategy` scope "
+            f"({state.strategy!r} is current, {where}). Leave the scope first."
+        )
+    new_state = OUTSIDE_EVERY_SCOPE if strategy is None else _State(strategy)
+    STATE.set(new_state)
+    _SET_STATE.set(None if strategy is None else new_state)
+
+
 def has_strategy() -> bool:
     """Return whether a strategy's `scope()` (or `run`) is active.
 

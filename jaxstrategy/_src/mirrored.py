@@ -402,6 +402,15 @@ class MeshStrategy(Strategy):
                 "components of different shapes; here pad them to one shape and carry a mask of "
                 "the real entries (see the README's MirroredStrategy departures)."
             )
+        if any(isinstance(part, jax.core.Tracer) for part in parts):  # Under an outer jax.jit.
+            if self._is_multi_process:
+                raise ValueError(
+                    f"{caller}: called under jax.jit on a strategy of several processes. Each "
+                    "process makes only its own replicas' values, and one jitted program runs on "
+                    "every process, so it cannot hold them. Call it outside jax.jit and pass the "
+                    "PerReplica to the jitted function."
+                )
+            return PerReplica(jax.lax.with_sharding_constraint(jnp.stack(parts), self._stacked_sharding))
         stacked_parts = [part[None] for part in parts]
         shape = (len(self._devices), *parts[0].shape)
         return PerReplica(
