@@ -14,7 +14,7 @@ import pytest
 from threads import THREAD_END_TIMEOUT_S, finishes_in_time
 
 import jaxstrategy
-from jaxstrategy import InputOptions, OneDeviceStrategy
+from jaxstrategy import InputOptions, MirroredStrategy, OneDeviceStrategy
 
 
 def _wait_for_prefetch_threads_to_end(before):
@@ -310,6 +310,31 @@ def test_close_ends_the_thread():
     next(iterator)
     iterator.close()
     _wait_for_prefetch_threads_to_end(before)
+
+
+def _starts_a_thread(dataset) -> bool:
+    before = set(threading.enumerate())
+    iterator = iter(dataset)
+    started = any(thread.name == "jaxstrategy-prefetch" for thread in set(threading.enumerate()) - before)
+    assert all(leaf.committed for leaf in jax.tree.leaves(next(iterator)))
+    iterator.close()
+    _wait_for_prefetch_threads_to_end(before)
+    return started
+
+
+@pytest.mark.parametrize("strategy", [OneDeviceStrategy("/cpu:1"), MirroredStrategy(["/cpu:0", "/cpu:1"])])
+def test_by_default_cpu_devices_fed_from_memory_place_on_the_calling_thread(strategy):
+    # There a thread would copy while the step computes, on the same cores (bench/vs_keras.py).
+    in_memory = [np.ones(2, np.float32)] * 3
+    for source in (in_memory, tuple(in_memory), np.ones((3, 2), np.float32)):
+        assert not _starts_a_thread(strategy.experimental_distribute_dataset(source))
+    # A source that may wait (on files, the network) keeps its thread, as does an explicit size.
+    assert _starts_a_thread(strategy.experimental_distribute_dataset(_Reiterable(3)))
+    double_buffered = InputOptions(experimental_per_replica_buffer_size=2)
+    assert _starts_a_thread(strategy.experimental_distribute_dataset(in_memory, double_buffered))
+    assert not _starts_a_thread(
+        strategy.distribute_datasets_from_function(lambda context: [np.ones(3, np.float32)] * 4)
+    )
 
 
 def test_buffer_size_zero_places_on_demand_without_a_thread():

@@ -479,3 +479,24 @@ def test_a_process_ending_early_ends_the_job_in_bounded_time_naming_it(step, end
         assert f"{step - 1} 2.0" in survivor.stdout, described  # It ran steps with the other first.
     assert "Check failure stack trace" not in survivor.stderr + ended.stderr, described
     assert elapsed < 45, described
+
+
+WAITING_INPUT_THREAD_PROGRAM = """
+import jax, numpy as np, jaxstrategy
+strategy = jaxstrategy.MultiWorkerMirroredStrategy()
+# Process 0 places batches as it takes them; process 1's input thread runs ahead, into the next
+# step's agreement, where it waits for process 0, which never comes: the program ends first.
+buffer_size = 0 if jax.process_index() == 0 else 2
+options = jaxstrategy.InputOptions(experimental_per_replica_buffer_size=buffer_size)
+dataset = strategy.distribute_datasets_from_function(lambda context: [np.ones(2, np.float32)] * 8, options)
+iterator = iter(dataset)
+print(strategy.reduce("sum", next(iterator), axis=None).tolist(), flush=True)
+"""
+
+
+def test_an_input_thread_waiting_for_other_processes_at_exit_ends_cleanly():
+    # Before, the thread was still inside the coordination service's blocking read as Python
+    # finalized, and the process aborted ("terminate called ... exception not rethrown").
+    results = run_local_workers(["-c", WAITING_INPUT_THREAD_PROGRAM], devices_per_worker=1, timeout=TIMEOUT_S)
+    assert [result.returncode for result in results] == [0, 0], describe_results(results)
+    assert all("[2.0, 2.0]" in result.stdout for result in results), describe_results(results)

@@ -14,7 +14,7 @@ def test_input_options_defaults():
     assert options.experimental_fetch_to_device is True
     assert options.experimental_replication_mode is InputReplicationMode.PER_WORKER
     assert options.experimental_place_dataset_on_device is False
-    assert options.experimental_per_replica_buffer_size == 2
+    assert options.experimental_per_replica_buffer_size is None  # The dataset chooses.
 
 
 def test_input_options_normalise_like_tensorflow():
@@ -24,7 +24,8 @@ def test_input_options_normalise_like_tensorflow():
 
 
 def test_options_compare_by_value_and_are_frozen():
-    assert InputOptions() == InputOptions(experimental_per_replica_buffer_size=2)
+    assert InputOptions() == InputOptions(experimental_per_replica_buffer_size=None)
+    assert InputOptions() != InputOptions(experimental_per_replica_buffer_size=2)
     assert RunOptions(donate_argnums=1) == RunOptions(donate_argnums=(1,))
     with pytest.raises(dataclasses.FrozenInstanceError):
         InputOptions().experimental_per_replica_buffer_size = 3  # type: ignore[misc]

@@ -118,6 +118,7 @@ class StepAgreement:
             self._client.key_value_set(f"{key}/signature/{self._process_id}", signature)
         total = self._client.key_value_increment(f"{key}/count", 1 + int(has_batch) * (n + 1))
         arrived, with_batch = total % (n + 1), total // (n + 1)
+        result: str | None
         if arrived == n:
             result = str(with_batch)
             if with_batch == n:

@@ -5,6 +5,10 @@ whose `PrefetchIterator` reads the source in a background thread and places each
 `put` it is given. Sources are read through `host_passes`, which knows lists, iterables,
 `tf.data.Dataset` (through `as_numpy_iterator`), torch `DataLoader` and Grain loaders without
 importing any of them.
+
+Each batch travels with its sources' positions after it (see `iterator_state.py`), so that
+`DistributedIterator.get_state` counts what the user took, not what the thread read ahead, and
+`set_state` starts the pass again from there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from jaxstrategy._src.errors import (
     format_path,
 )
 from jaxstrategy._src.input_agreement import StepAgreement, agreed_steps, new_dataset_namespace
+from jaxstrategy._src.iterator_state import (
+    PassPosition,
+    SourceMark,
+    SourceReader,
+    is_stateful,
+    resume_sources,
+)
 from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
@@ -37,6 +48,8 @@ from jaxstrategy._src.variables import private_copy, put_private
 
 INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
+# How long `set_state` waits for the input thread to finish reading a one-shot iterator.
+_ONE_SHOT_JOIN_S = 60.0
 
 
 class OutOfRangeError(JaxStrategyError):
@@ -201,6 +214,22 @@ def host_passes(dataset: Any, *, caller: str) -> tuple[Callable[[], Iterator[Any
     )
 
 
+# Sources whose elements are already in host memory: reading one is a copy, CPU work.
+_IN_MEMORY = (list, tuple, np.ndarray)
+_DOUBLE_BUFFER = 2
+
+
+def _buffer_size(options: InputOptions, layout: ReplicaLayout, sources: list[Any]) -> int:
+    """The batches to keep placed ahead: the option's, or when it is None, 2 unless a thread would
+    only take cores from the step (CPU devices fed from memory; see `InputOptions`)."""
+    if options.experimental_per_replica_buffer_size is not None:
+        return options.experimental_per_replica_buffer_size
+    on_cpu = all(device.platform == "cpu" for device in layout.sharding.device_set)  # type: ignore[attr-defined]
+    if on_cpu and all(isinstance(source, _IN_MEMORY) for source in sources):
+        return 0
+    return _DOUBLE_BUFFER
+
+
 def cardinality_of(dataset: Any) -> int:
     """The number of elements `dataset` will yield, or TensorFlow's INFINITE/UNKNOWN constants."""
     tf_cardinality = getattr(dataset, "cardinality", None)
@@ -269,11 +298,18 @@ class DistributedDataset:
         passes = [host_passes(source, caller=caller) for source in sources]
         self._start_passes = [start for start, _ in passes]
         self._one_shot = any(one_shot for _, one_shot in passes)
+        # A one-shot source starts no second pass, so only one with its own state can be restored.
+        self._unrestorable = [
+            source
+            for source, (_, one_shot) in zip(sources, passes, strict=True)
+            if one_shot and not is_stateful(source)
+        ]
         fed = layout.num_replicas if grouping == "split" else len(layout.local_replica_ids)
         self._cardinality = _grouped_cardinality(
             [cardinality_of(source) for source in sources], fed, grouping, options
         )
         self._options = options
+        self._buffer_size = _buffer_size(options, layout, sources)
         self._batcher = ReplicaBatcher(
             num_replicas=layout.num_replicas,
             local_replicas=layout.local_replicas,
@@ -287,7 +323,10 @@ class DistributedDataset:
         # Where processes read their own inputs, they agree batch by batch where a pass ends.
         self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
         self._input_timeout_s = layout.input_timeout_s
+        # Every pass started, restored ones included: each gets its own agreement namespace.
         self._passes_started = 0
+        # The number the next pass gets, which a restored pass moves on.
+        self._next_pass_index = 0
         self._next_pass: DistributedIterator | None = None
         self._batches = _BatchTracker(layout.sharding if on_device else None)
 
@@ -301,10 +340,17 @@ class DistributedDataset:
                 "object), which was used up by its first pass. Distribute a re-iterable source "
                 "instead: a list, a tf.data Dataset, or an object whose __iter__ starts a new pass."
             )
+        position = PassPosition.start(self._next_pass_index, len(self._start_passes))
+        readers = [SourceReader(start()) for start in self._start_passes]
+        return DistributedIterator(self, self._start_pass(readers, position), position)
+
+    def _start_pass(self, readers: list[SourceReader], position: PassPosition) -> _Pass:
+        """A pass over `readers` (the sources, each at its place in `position`), prefetching."""
         self._passes_started += 1
+        self._next_pass_index = position.pass_index + 1
         # Reading, copying and laying out batches happen in the producer thread, with placement.
         batches: Iterator[HostBatch | DroppedBatch] = self._batcher.batches(
-            [host_elements(start()) for start in self._start_passes]
+            [host_elements(reader) for reader in readers]
         )
         stopped = threading.Event()
         if self._agreement_namespace is not None:
@@ -314,9 +360,35 @@ class DistributedDataset:
             )
             batches = agreed_steps(batches, agreement, cardinality=self._cardinality, caller=self._caller)
         prefetch = PrefetchIterator(
-            batches, self._placer, self._options.experimental_per_replica_buffer_size, stopped=stopped
+            _marked(batches, readers),
+            self._place_marked,
+            self._buffer_size,
+            stopped=stopped,
         )
-        return DistributedIterator(prefetch, self._batches)
+        return _Pass(prefetch, self._batches)
+
+    def _place_marked(self, marked: tuple[HostBatch | DroppedBatch, tuple[SourceMark, ...]]) -> _Marked:
+        batch, marks = marked
+        return self._placer(batch), marks
+
+    def _resume_pass(self, position: PassPosition, *, caller: str) -> _Pass:
+        """A new pass at `position`: the sources restored, or read up to it (see `iterator_state`)."""
+        if position.end:  # Nothing is left to read: no source is started.
+            self._passes_started += 1
+            self._next_pass_index = position.pass_index + 1
+            return _Pass(PrefetchIterator(iter(()), self._place_marked, 0), self._batches)
+        readers = resume_sources(self._start_passes, position, caller=caller)
+        return self._start_pass(readers, position)
+
+    def _require_restorable(self, caller: str) -> None:
+        if self._unrestorable:
+            kinds = ", ".join(sorted({type(source).__name__ for source in self._unrestorable}))
+            raise TypeError(
+                f"{caller}: this dataset reads a one-shot iterator ({kinds}), which cannot start a "
+                "new pass, so its position could never be restored. Distribute a re-iterable source "
+                "(a list, or an object whose __iter__ starts a new pass, restored by skipping what "
+                "was taken), or an iterator with get_state() and set_state() (as Grain's have)."
+            )
 
     def __len__(self) -> int:
         if self._cardinality < 0:
@@ -352,6 +424,27 @@ class DistributedDataset:
             self._next_pass = iterator
             return spec
         return self._batches.element_spec
+
+
+# A placed batch (or a dropped one) and its sources' positions once it is taken.
+_Marked = tuple[_Batch | DroppedBatch, tuple[SourceMark, ...]]
+
+
+def _marked(
+    batches: Iterator[HostBatch | DroppedBatch], readers: list[SourceReader]
+) -> Iterator[tuple[HostBatch | DroppedBatch, tuple[SourceMark, ...]]]:
+    """Each of `batches` with the readers' positions right after it was made. The batchers read no
+    element ahead of the batch they yield, so those are the elements it used and all before."""
+    for batch in batches:
+        yield batch, tuple(reader.mark for reader in readers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pass:
+    """One pass's prefetching, and the dataset's record of its batches' shapes."""
+
+    prefetch: PrefetchIterator[_Marked]
+    batches: _BatchTracker
 
 
 class _BatchTracker:
@@ -402,6 +495,10 @@ class DistributedIterator:
     dropping the iterator) stops the thread. Threads may share an iterator: each batch goes to
     one of them, and the end to all of them.
 
+    `get_state()` and `set_state(state)` save and restore its position, and a checkpoint saves
+    and restores it where it sits in the tree: `checkpoint.save(directory, {'params': params,
+    'data': iterator})`.
+
     Example:
       >>> import numpy as np, jaxstrategy
       >>> strategy = jaxstrategy.OneDeviceStrategy()
@@ -414,12 +511,15 @@ class DistributedIterator:
       ([0.0, 0.0], True, [1.0, 1.0], False)
     """
 
-    def __init__(self, prefetch: PrefetchIterator[_Batch | DroppedBatch], batches: _BatchTracker):
-        self._prefetch = prefetch
-        self._batches = batches
+    def __init__(self, dataset: DistributedDataset, pass_: _Pass, position: PassPosition):
+        self._dataset = dataset
+        self._pass = pass_
+        self._marks: tuple[SourceMark, ...] | None = None
+        self._set_position(position)
         self._previous_differed = False
+        self._closed = False
         # Threads sharing the iterator take batches one at a time, so that the shape checks see
-        # them in the order they were delivered.
+        # them in the order they were delivered, and the position counts each once.
         self._lock = threading.Lock()
 
     def __iter__(self) -> DistributedIterator:
@@ -433,18 +533,43 @@ class DistributedIterator:
             )
         with self._lock:
             batch = self._next_batch()
-            self._previous_differed = self._batches.differs(batch, previous_differed=self._previous_differed)
+            self._previous_differed = self._pass.batches.differs(
+                batch, previous_differed=self._previous_differed
+            )
         return batch.value
+
+    def _take(self) -> _Batch | DroppedBatch:
+        """The next item of the pass; the position moves past it."""
+        try:
+            item, self._marks = next(self._pass.prefetch)
+        except StopIteration:
+            if not self._closed:  # The end of the pass, not of this iterator.
+                self._ended = True
+            raise
+        if not isinstance(item, DroppedBatch):
+            self._taken += 1
+        return item
+
+    def _set_position(self, position: PassPosition) -> None:
+        # Kept as the last batch's marks and a count, cheap to update; see `_position`.
+        self._start = position
+        self._marks = None
+        self._taken = 0
+        self._ended = position.end
+
+    def _position(self) -> PassPosition:
+        position = self._start.after(self._marks, taken=self._taken) if self._marks else self._start
+        return dataclasses.replace(position, end=self._ended)
 
     def _next_batch(self) -> _Batch:
         """The next placed batch, after warning (here, in the user's thread) about dropped ones."""
-        while isinstance(item := next(self._prefetch), DroppedBatch):
+        while isinstance(item := self._take(), DroppedBatch):
             warnings.warn(item.message, stacklevel=caller_stacklevel())
         return item
 
     def _peek_batch(self) -> _Batch:
-        while isinstance(item := self._prefetch.peek(), DroppedBatch):
-            next(self._prefetch)
+        while isinstance(item := self._pass.prefetch.peek()[0], DroppedBatch):
+            self._take()
             warnings.warn(item.message, stacklevel=caller_stacklevel())
         return item
 
@@ -465,6 +590,75 @@ class DistributedIterator:
         except StopIteration:
             return OptionalBatch(None, has_value=False)
 
+    def get_state(self) -> dict[str, Any]:
+        """This pass's position, as a small JSON-serialisable dict, to restore with `set_state`.
+
+        It counts what was taken (by `next`, `get_next`, ...), not what the background thread read
+        ahead: `pass` (which pass of the dataset this is, from 0), `batches` (the batches taken),
+        `elements` (per input pipeline, the source elements those batches used), `source_states`
+        (per pipeline, the state of a source whose iterator has `get_state()`/`set_state()`, such
+        as Grain's, else None) and `end` (the pass is over). In a job of several processes each
+        process has its own position; checkpoints save each one.
+
+        Raises:
+          TypeError: the dataset reads a one-shot iterator (a generator object) without
+            `get_state()`/`set_state()`, whose position could never be restored.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(
+          ...     [np.full(2, i) for i in range(5)])
+          >>> iterator = iter(dataset)
+          >>> _ = next(iterator), next(iterator)
+          >>> state = iterator.get_state()
+          >>> state['pass'], state['batches'], state['elements']
+          (0, 2, [2])
+          >>> restored = iter(dataset)
+          >>> restored.set_state(state)
+          >>> next(restored).tolist()
+          [2, 2]
+        """
+        self._dataset._require_restorable("DistributedIterator.get_state()")
+        with self._lock:
+            return self._position().as_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Move this iterator to the position `state` (from `get_state`) describes.
+
+        The pass restarts there: batches prefetched so far are dropped, and the next batch is the
+        one after the last taken when `state` was saved. A source whose iterator has
+        `get_state()`/`set_state()` (such as Grain's) gets its saved state; any other source
+        starts a new pass and its elements up to the position are read and dropped, here, before
+        this returns (with a warning when that takes longer than 10 s). Every process of a job
+        must call it, as every process iterates.
+
+        Raises:
+          TypeError: `state` is not such a dict, or the dataset reads a one-shot iterator without
+            `get_state()`/`set_state()`.
+          ValueError: `state` is malformed or of another dataset: another number of input
+            pipelines, a source that ends before the saved position, or a saved source state where
+            the source now has none.
+        """
+        caller = "DistributedIterator.set_state()"
+        self._dataset._require_restorable(caller)
+        position = PassPosition.from_state(state, num_sources=len(self._dataset._start_passes), caller=caller)
+        with self._lock:
+            old = self._pass.prefetch
+            old.close()
+            if self._dataset._one_shot and old.thread is not None:
+                # The new pass reads the same iterator: the old thread must be done with it.
+                old.thread.join(_ONE_SHOT_JOIN_S)
+                if old.thread.is_alive():
+                    raise RuntimeError(
+                        f"{caller}: the input thread of this pass is still reading the dataset's "
+                        f"one-shot iterator after {_ONE_SHOT_JOIN_S:.0f} s, so the iterator cannot be "
+                        "set to another state: its next() does not return."
+                    )
+            self._pass = self._dataset._resume_pass(position, caller=caller)
+            self._set_position(position)
+            self._previous_differed = False
+            self._closed = False
+
     @property
     def element_spec(self) -> PyTree:
         """The dataset's batch structure: a pytree of `jax.ShapeDtypeStruct` with the sharding.
@@ -472,20 +666,24 @@ class DistributedIterator:
         Raises:
           ValueError: the dataset is empty.
         """
-        if self._batches.element_spec is None:
+        if self._pass.batches.element_spec is None:
             try:
                 with self._lock:
-                    self._batches.record(self._peek_batch())
+                    self._pass.batches.record(self._peek_batch())
             except StopIteration:
                 raise ValueError(
                     "This distributed dataset is empty (or InputOptions(partial_batch='drop') dropped "
                     "every batch), so it has no element_spec."
                 ) from None
-        return self._batches.element_spec
+        return self._pass.batches.element_spec
 
     def close(self) -> None:
-        """Stop the background thread and drop the batches it prefetched."""
-        self._prefetch.close()
+        """Stop the background thread and drop the batches it prefetched.
+
+        `get_state()` still gives the position of the last batch taken.
+        """
+        self._closed = True
+        self._pass.prefetch.close()
 
     def __enter__(self) -> DistributedIterator:
         return self

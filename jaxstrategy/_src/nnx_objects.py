@@ -57,6 +57,22 @@ def _is_object(x: Any) -> bool:
     return known
 
 
+_IS_VARIABLE_TYPE: dict[type, bool] = {}
+
+
+def _is_variable(x: Any) -> bool:
+    """`isinstance(x, nnx.Variable)`, by type: NNX's check goes through a metaclass."""
+    known = _IS_VARIABLE_TYPE.get(type(x))
+    if known is None:
+        known = _IS_VARIABLE_TYPE[type(x)] = isinstance(x, _nnx().Variable)
+    return known
+
+
+def is_object(x: Any) -> bool:
+    """Whether `x` is an NNX object (a Module, an Optimizer, `nnx.Rngs`; not a Variable)."""
+    return _nnx() is not None and _is_object(x)
+
+
 def any_object_among(args: tuple[Any, ...]) -> bool:
     """Whether one of `args` itself is an NNX object: what `run`'s hot path can afford to check, so
     that a step first compiled for arrays is not handed a Module as a pytree."""
@@ -176,7 +192,7 @@ def run_with_objects(
         leaf.get_raw_value() if is_variable else leaf
         for leaf, is_variable in zip(traversal.leaves, traversal.are_variables, strict=True)
     ]
-    step = _step_with_objects(fn, traversal.graphdef, found.holes, caller)
+    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller)
     outputs, new_values = run(step, (values, found.others), {})
     replicas_differ = [i for i, value in enumerate(new_values) if isinstance(value, PerReplica)]
     if replicas_differ:
@@ -210,6 +226,35 @@ class _Traversal:
     paths: tuple[Any, ...]
     fingerprint: Any
     objects: tuple[weakref.ref[Any], ...]
+    graphdef_key: Any  # The graph definition as a cache key, hashed once (see `_GraphDefKey`).
+
+
+class _GraphDefKey:
+    """A graph definition as a dict key, hashed once. NNX hashes a graph definition anew on every
+    call, walking all of it (~0.1 ms for an MLP and its optimizer), and a cached traversal hands
+    `run` the same definition every step."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: Any):
+        self.graphdef = graphdef
+        try:
+            self._hash = hash(graphdef)
+        except TypeError:  # A static attribute that cannot be hashed (a dict): identity will do.
+            self._hash = id(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _GraphDefKey) or other._hash != self._hash:
+            return False
+        if other.graphdef is self.graphdef:
+            return True
+        try:
+            return bool(other.graphdef == self.graphdef)
+        except TypeError:
+            return False
 
 
 # The last traversals, by the ids of the objects traversed. A step's objects are usually the same
@@ -225,7 +270,7 @@ def _traverse(objects: tuple[Any, ...]) -> _Traversal:
     NNX objects holds those in its tree structure). Objects that are no pytrees
     (`nnx.Module, pytree=False`) hide their insides from that check, so they are traversed anew."""
     nnx = _nnx()
-    view, treedef = jax.tree.flatten(objects, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    view, treedef = jax.tree.flatten(objects, is_leaf=_is_variable)
     fingerprint = (treedef, tuple(map(id, view)))
     checkable = not any(_is_object(leaf) for leaf in view)
     key = tuple(map(id, objects))
@@ -247,6 +292,7 @@ def _traverse(objects: tuple[Any, ...]) -> _Traversal:
         tuple(flat.paths),
         fingerprint,
         tuple(weakref.ref(o) for o in objects),
+        _GraphDefKey(graphdef),
     )
     if checkable:
         if key not in _TRAVERSALS:
@@ -265,22 +311,18 @@ _STEPS_KEPT = 64
 
 
 def _step_with_objects(
-    fn: Callable[..., PyTree], graphdef: Any, holes: _Holes, caller: str
+    fn: Callable[..., PyTree], graphdef_key: _GraphDefKey, holes: _Holes, caller: str
 ) -> _StepWithObjects:
     """The step `run` compiles for `fn` with objects of this structure, the same object every
     call, so `run` finds it compiled (on its fast path). It holds `fn` weakly, and goes when `fn`
     (or a bound method's object) does."""
-    try:
-        graphdef_key: Any = (hash(graphdef), graphdef)
-    except TypeError:  # A static attribute that cannot be hashed (a dict): identity will do.
-        graphdef_key = ("unhashable", id(graphdef))
     key = (function_key(fn), graphdef_key, holes, caller)
     step = _STEPS.get(key)
     if step is not None:
         _STEPS.move_to_end(key)
         return step
     step = _STEPS[key] = _StepWithObjects(
-        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef, holes, caller
+        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef_key.graphdef, holes, caller
     )
     if len(_STEPS) > _STEPS_KEPT:
         _STEPS.popitem(last=False)

@@ -16,12 +16,16 @@ Lifetime rules, each one tested:
 - every wait has a way out: the producer is woken by `close()`, the consumer too (even in another
   thread), and it re-checks that the producer is still alive;
 - closing takes the same time whatever `buffer_size` is (it drops only what was placed);
+- at interpreter exit, threads still running are stopped and waited for (a second at most each):
+  one left inside a blocking call of JAX's runtime (the multi-process input agreement's) as Python
+  finalizes aborts the process;
 - several threads may share one iterator: a lock around taking an element gives each element to
   exactly one of them, and the end to all of them.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -32,6 +36,9 @@ T = TypeVar("T")
 
 # How often a consumer waiting for the next element checks that the producer thread is alive.
 _LIVENESS_POLL_S = 1.0
+# How long exit waits for each producer thread still running: the waits in a producer's source
+# (the multi-process input agreement's) check `stopped` every second.
+_EXIT_JOIN_S = 2.0
 
 
 class _End:
@@ -52,6 +59,7 @@ class _Channel:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.free_slots = threading.Semaphore(buffer_size)
         self.stopped = stopped
+        self.producer: threading.Thread | None = None
 
     def stop(self) -> None:
         """Ask the producer to end, wake whoever waits on the channel, and drop what was placed.
@@ -70,6 +78,21 @@ class _Channel:
                 break
         # Wakes a consumer waiting for an element in another thread: its pass is over.
         self.items.put(_End())
+
+
+# The channels of producer threads that may be running: a thread holds its channel until it ends.
+_CHANNELS: weakref.WeakSet[_Channel] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_producers() -> None:
+    """Stop every producer thread still running, and wait for each (bounded)."""
+    channels = list(_CHANNELS)
+    for channel in channels:
+        channel.stop()
+    for channel in channels:
+        if channel.producer is not None:
+            channel.producer.join(timeout=_EXIT_JOIN_S)
 
 
 def _produce(source: Iterator[Any], put: Callable[[Any], Any], channel: _Channel) -> None:
@@ -141,6 +164,8 @@ class PrefetchIterator(Generic[T]):
         self._thread = threading.Thread(
             target=_produce, args=(source, put, self._channel), name=name, daemon=True
         )
+        self._channel.producer = self._thread
+        _CHANNELS.add(self._channel)
         self._thread.start()
         # Garbage collection of the iterator stops the thread; the finalizer refers to the channel only.
         self._finalizer = weakref.finalize(self, self._channel.stop)

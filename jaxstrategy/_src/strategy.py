@@ -328,8 +328,10 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Call the inner function directly instead of through run()."
         )
-        require_representable(args, caller=caller, name="args")
-        require_representable(kwargs, caller=caller, name="kwargs")
+        # Not into NNX objects: their Variables hold arrays `put` placed, and flattening a model
+        # costs as much as the rest of run's checks.
+        require_representable(args, caller=caller, name="args", is_leaf=nnx_objects.is_object)
+        require_representable(kwargs, caller=caller, name="kwargs", is_leaf=nnx_objects.is_object)
         fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is not None:
@@ -376,7 +378,9 @@ class Strategy(abc.ABC):
         `__array__` or `.numpy()`); none of those libraries is imported. Every `iter()` starts a
         fresh pass with a background thread that keeps
         `options.experimental_per_replica_buffer_size` batches (2 by default: double buffering)
-        placed ahead of the step. A one-shot source (a generator object) allows one pass; a second
+        placed ahead of the step; on CPU devices, a source already in memory (a list, tuple or
+        numpy array) is placed on the calling thread instead, by default, since there a thread
+        only takes cores from the step. A one-shot source (a generator object) allows one pass; a second
         is an error.
 
         Each batch is a global batch. On `OneDeviceStrategy` it arrives whole, a partial last

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,18 +49,20 @@ _UINT32 = np.iinfo(np.uint32)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def require_representable(tree: PyTree, *, caller: str, name: str = "value") -> None:
+def require_representable(
+    tree: PyTree, *, caller: str, name: str = "value", is_leaf: Callable[[Any], bool] | None = None
+) -> None:
     """Raise an OverflowError that names every leaf whose values JAX would silently change.
 
     With `jax_enable_x64` off (JAX's default), JAX stores 64-bit numbers in 32 bits: integers
     outside int32's (uint32's) range wrap around, and finite floats beyond float32's range become
     inf. Only host values are checked, JAX arrays being 32-bit already; Python ints are checked
-    too, so that the error names the leaf.
+    too, so that the error names the leaf. Subtrees `is_leaf` picks are not looked into.
     """
     if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on.
         return
     bad = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
         problem = _unrepresentable(leaf)
         if problem:
             bad.append(f"{format_path(name, path)} {problem}")

@@ -1,0 +1,387 @@
+"""Per-step time of one training loop in Keras 3 (JAX backend) and in jaxstrategy, side by side.
+
+The workload is the one the Keras comparison in the issue used: an MLP 784-512-512-10, a global
+batch of 128, Adam(1e-3), softmax cross-entropy, and the loss read on the host every step. Each
+loop trains one epoch of `--steps` batches from the same in-memory numpy data:
+
+* keras fit: `model.fit(x, y, batch_size=128, epochs=1, shuffle=False)`, Keras 3 on JAX.
+* jit: a bare `jax.jit` step over pure-jnp parameters and `optax.adam`, each numpy batch passed
+  straight to it (the transfer happens inside the call), `float(loss)` every step.
+* run (pytree): the same step through `strategy.run`, the batches from
+  `strategy.experimental_distribute_dataset` (placed ahead by its background thread).
+* run (pytree, no thread): the same, with `InputOptions(experimental_per_replica_buffer_size=0)`,
+  which places each batch on the calling thread: what the thread costs or saves.
+* jit, read late / run, read late: the same loops reading each step's loss one step late, once
+  the next step is queued. Keras's `fit` reads every step's logs on the host too, but in its
+  callbacks' background threads, so its loop never waits for a step to end before queuing the next.
+* run (nnx): a Flax NNX model and `nnx.Optimizer` passed to `strategy.run` and updated in place.
+
+On two devices the same loops run data parallel: Keras with `keras.distribution.DataParallel`,
+jaxstrategy with `MirroredStrategy`, the bare loop with the batch sharded by `jax.device_put`.
+
+Rounds run every loop once, in an order that rotates from round to round; the table gives each
+loop's median ms/step (p10-p90) and the median over rounds of its ratio to Keras and to the bare
+jit loop in the same round, which cancels most of a noisy machine's drift (see bench_util.py).
+The device count is fixed when JAX starts, so the two-device table runs in a child process.
+
+    python bench/vs_keras.py              # both tables (needs keras: pip install -e '.[bench]')
+    python bench/vs_keras.py --quick      # a smoke test: few rounds and steps
+    python bench/vs_keras.py --devices 2  # one table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+BATCH = 128
+FEATURES, HIDDEN, CLASSES = 784, 512, 10
+FULL_ROUNDS, FULL_STEPS = 9, 60
+QUICK_ROUNDS, QUICK_STEPS = 2, 8
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke test")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--steps", type=int, help="steps per epoch")
+    parser.add_argument("--devices", type=int, choices=(1, 2), help="run one table only")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (QUICK_ROUNDS if args.quick else FULL_ROUNDS)
+    args.steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.devices is None:  # Each table in its own process: the device count is fixed at start.
+        for devices in (1, 2):
+            command = [sys.executable, __file__, "--devices", str(devices)]
+            command += ["--rounds", str(args.rounds), "--steps", str(args.steps)]
+            subprocess.run(command, check=True)
+        return
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    table(args.devices, args.rounds, args.steps)
+
+
+def table(num_devices: int, rounds: int, steps: int) -> None:
+    import jax
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=steps * BATCH).astype(np.int32)
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
+    devices = jax.devices()[:num_devices]
+
+    loops: dict[str, Callable[[], float]] = {"keras fit": keras_loop(x, y, devices)}
+    loops["jit"] = jit_loop(batches, devices, read_late=False)
+    loops["jit, read late"] = jit_loop(batches, devices, read_late=True)
+    loops["run (pytree)"] = run_loop(batches, devices, buffer_size=2, read_late=False)
+    loops["run (pytree, no thread)"] = run_loop(batches, devices, buffer_size=0, read_late=False)
+    loops["run, read late"] = run_loop(batches, devices, buffer_size=2, read_late=True)
+    loops["run (nnx)"] = nnx_loop(batches, devices, read_late=False)
+    loops["run (nnx), read late"] = nnx_loop(batches, devices, read_late=True)
+    for loop in loops.values():  # Compile, and fill caches, outside the timing.
+        loop()
+
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    names = list(loops)
+    for round_index in range(rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for name in order:
+            times[name].append(loops[name]() / steps)
+
+    print(
+        f"\n{num_devices} CPU device(s), jax {jax.__version__}, keras {keras.__version__}: {rounds} rounds "
+        f"of one {steps}-step epoch per loop, global batch {BATCH}"
+    )
+    print(f"{'loop':<26}{'ms/step':>22}{'vs keras':>12}{'vs jit':>10}")
+    for name in names:
+        ms = np.asarray(times[name]) * 1e3
+        p10, p50, p90 = np.percentile(ms, [10, 50, 90])
+        vs_keras = statistics.median(a / b for a, b in zip(times[name], times["keras fit"], strict=True))
+        vs_jit = statistics.median(a / b for a, b in zip(times[name], times["jit"], strict=True))
+        print(f"{name:<26}{f'{p50:.2f} ({p10:.2f}-{p90:.2f})':>22}{vs_keras:>12.3f}{vs_jit:>10.3f}")
+    print("ratios: median over rounds of the per-round ratio (below 1: faster).")
+    if num_devices == 1:
+        compiled_steps(batches[0], rounds)
+
+
+def compiled_steps(batch: Any, rounds: int) -> None:
+    """Keras's jitted train step against the bare loop's, without the loop: the batch already on
+    the device, each step waited for; and what XLA made of each."""
+    import jax
+    import numpy as np
+
+    x, y = jax.device_put(batch)
+    model = _keras_model()
+    model.fit(np.asarray(x), np.asarray(y), batch_size=BATCH, epochs=1, verbose=0)  # Builds its state.
+    keras_state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    keras_step = jax.jit(model.train_step, donate_argnums=0)
+    step, optimizer = _pure_step()
+    params = _init_params(jax.random.key(0))
+    ours = jax.jit(step, donate_argnums=(0, 1))
+    states: dict[str, Any] = {
+        "keras train_step": keras_state,
+        "bare jit step": (params, optimizer.init(params)),
+    }
+    lowered = {
+        "keras train_step": keras_step.lower(keras_state, (x, y)),
+        "bare jit step": ours.lower(*states["bare jit step"], x, y),
+    }
+
+    def run_keras(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            logs, states["keras train_step"] = keras_step(states["keras train_step"], (x, y))
+            jax.block_until_ready(logs)
+        return (time.perf_counter() - start) / calls
+
+    def run_ours(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            params, opt_state, loss = ours(*states["bare jit step"], x, y)
+            states["bare jit step"] = (params, opt_state)
+            jax.block_until_ready(loss)
+        return (time.perf_counter() - start) / calls
+
+    timers = {"keras train_step": run_keras, "bare jit step": run_ours}
+    for timer in timers.values():
+        timer(5)
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for round_index in range(max(rounds, 3)):
+        for name in sorted(timers, reverse=bool(round_index % 2)):
+            times[name].append(timers[name](20))
+    print(f"\n{'compiled step alone':<26}{'ms/step':>10}{'vs keras':>10}{'HLO ops':>10}{'fusions':>10}")
+    for name, timer_times in times.items():
+        hlo = lowered[name].compile().as_text()
+        ops = sum(1 for line in hlo.splitlines() if " = " in line and not line.lstrip().startswith("ROOT"))
+        fusions = hlo.count(" fusion(")
+        ratio = statistics.median(a / b for a, b in zip(timer_times, times["keras train_step"], strict=True))
+        print(f"{name:<26}{np.median(timer_times) * 1e3:>10.2f}{ratio:>10.3f}{ops:>10}{fusions:>10}")
+
+
+class LossReader:
+    """Reads each step's loss on the host: at once, or one step late, once the next step is queued
+    (the host then waits for a step while the device already has the next one)."""
+
+    def __init__(self, *, late: bool):
+        self.late = late
+        self.pending: Any = None
+        self.values: list[float] = []
+
+    def read(self, loss: Any) -> None:
+        if not self.late:
+            self.values.append(float(loss))
+            return
+        if self.pending is not None:
+            self.values.append(float(self.pending))
+        self.pending = loss
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.values.append(float(self.pending))
+            self.pending = None
+
+
+def keras_loop(x: Any, y: Any, devices: list[Any]) -> Callable[[], float]:
+    import keras
+
+    if len(devices) > 1:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    return _fit_epoch(_keras_model(), x, y)
+
+
+def _keras_model() -> Any:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _fit_epoch(model: Any, x: Any, y: Any) -> Callable[[], float]:
+    def epoch() -> float:
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return time.perf_counter() - start
+
+    return epoch
+
+
+def _init_params(key: Any) -> dict[str, Any]:
+    import jax
+
+    sizes = [(FEATURES, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, CLASSES)]
+    keys = jax.random.split(key, len(sizes))
+    return {
+        f"layer{i}": {
+            "w": jax.random.normal(k, shape) * (2.0 / shape[0]) ** 0.5,
+            "b": jax.numpy.zeros(shape[1]),
+        }
+        for i, (k, shape) in enumerate(zip(keys, sizes, strict=True))
+    }
+
+
+def _pure_step(average: Callable[[Any], Any] = lambda grads: grads) -> tuple[Callable[..., Any], Any]:
+    """The training step over pure-jnp parameters, and optax's Adam; `average` combines the
+    replicas' gradients."""
+    import jax
+    import optax
+
+    optimizer = optax.adam(1e-3)
+
+    def loss_fn(params: Any, x: Any, y: Any) -> Any:
+        h = x
+        for i in range(3):
+            h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+            if i < 2:
+                h = jax.nn.relu(h)
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    def step(params: Any, opt_state: Any, x: Any, y: Any) -> Any:
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = optimizer.update(average(grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, optimizer
+
+
+def jit_loop(batches: list[Any], devices: list[Any], *, read_late: bool) -> Callable[[], float]:
+    import jax
+    import numpy as np
+
+    step, optimizer = _pure_step()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("batch",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    params = jax.device_put(_init_params(jax.random.key(0)), replicated)
+    state = [params, jax.device_put(optimizer.init(params), replicated)]
+    jitted = jax.jit(step)
+    losses = LossReader(late=read_late)
+
+    def epoch() -> float:
+        start = time.perf_counter()
+        for x, y in batches:
+            if len(devices) > 1:
+                x, y = jax.device_put((x, y), split)
+            state[0], state[1], loss = jitted(state[0], state[1], x, y)
+            losses.read(loss)
+        losses.flush()
+        return time.perf_counter() - start
+
+    return epoch
+
+
+def _strategy(devices: list[Any]) -> Any:
+    import jaxstrategy
+
+    if len(devices) == 1:
+        return jaxstrategy.OneDeviceStrategy(devices[0])
+    return jaxstrategy.MirroredStrategy(devices)
+
+
+def run_loop(
+    batches: list[Any], devices: list[Any], *, buffer_size: int, read_late: bool
+) -> Callable[[], float]:
+    import jax
+
+    import jaxstrategy
+
+    strategy = _strategy(devices)
+    step, optimizer = _pure_step(lambda grads: jaxstrategy.get_replica_context().all_reduce("mean", grads))
+    params = strategy.put(_init_params(jax.random.key(0)))
+    state = [params, strategy.put(optimizer.init(params))]
+    options = jaxstrategy.InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    dataset = strategy.experimental_distribute_dataset(batches, options)
+    losses = LossReader(late=read_late)
+
+    def replica_step(params: Any, opt_state: Any, batch: Any) -> Any:
+        params, opt_state, loss = step(params, opt_state, *batch)
+        return params, opt_state, jaxstrategy.get_replica_context().all_reduce("mean", loss)
+
+    def epoch() -> float:
+        start = time.perf_counter()
+        for batch in dataset:
+            state[0], state[1], loss = strategy.run(replica_step, args=(state[0], state[1], batch))
+            losses.read(loss)
+        losses.flush()
+        return time.perf_counter() - start
+
+    return epoch
+
+
+def nnx_loop(batches: list[Any], devices: list[Any], *, read_late: bool) -> Callable[[], float]:
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxstrategy
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.hidden1 = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+            self.hidden2 = nnx.Linear(HIDDEN, HIDDEN, rngs=rngs)
+            self.logits = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
+
+        def __call__(self, x: Any) -> Any:
+            return self.logits(jax.nn.relu(self.hidden2(jax.nn.relu(self.hidden1(x)))))
+
+    strategy = _strategy(devices)
+    model = strategy.put(MLP(nnx.Rngs(0)))
+    optimizer = strategy.put(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    dataset = strategy.experimental_distribute_dataset(batches)
+    losses = LossReader(late=read_late)
+
+    def train_step(model: MLP, optimizer: nnx.Optimizer, batch: Any) -> Any:
+        x, y = batch
+
+        def loss_fn(model: MLP) -> Any:
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, jaxstrategy.get_replica_context().all_reduce("mean", grads))
+        return jaxstrategy.get_replica_context().all_reduce("mean", loss)
+
+    def epoch() -> float:
+        start = time.perf_counter()
+        for batch in dataset:
+            losses.read(strategy.run(train_step, args=(model, optimizer, batch)))
+        losses.flush()
+        return time.perf_counter() - start
+
+    return epoch
+
+
+if __name__ == "__main__":
+    main()
