@@ -5,20 +5,30 @@ or with `--replicas N` on N devices through MirroredStrategy: only the construct
 Batches come through `strategy.experimental_distribute_dataset`, which prefetches them onto the
 device from a background thread; each training step updates the model and its optimizer in
 place, as Flax writes it, compiled once by `strategy.run`; a `checkpoint.Checkpointer` saves
-the model and optimizer every epoch in the background; at the end the newest checkpoint is
-restored into fresh objects and evaluated again, and the loss curve is written as a PNG.
+the model, the optimizer and the input's position every epoch in the background; at the end the
+newest checkpoint is restored into fresh objects and evaluated again, and the loss curve is
+written as a PNG.
+
+Ctrl-C or SIGTERM (what a cluster sends before it stops a job) finishes the step, saves
+everything, the batch the input stands at included, and exits with status 42; running the same
+command again resumes at that batch, mid-epoch, and trains exactly as if it had never stopped.
 
     make demo                                   # CPU, 10 epochs, well under a minute
     python examples/train_digits.py --help      # every flag
     python examples/train_digits.py --device /gpu:0 --epochs 20
     python examples/train_digits.py --replicas 4    # 4 GPUs, or 4 CPU devices on a laptop
+    python examples/train_digits.py --preempt-at 100; python examples/train_digits.py   # resumes
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
+import signal
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,25 +71,61 @@ class MLP(nnx.Module):
 
 
 class ShuffledBatches:
-    """A re-iterable source of (images, labels) batches: each pass is a new shuffle, as an epoch is.
+    """A re-iterable source of (images, labels) batches: each pass is an epoch, in its own order.
 
     The last batch of a pass is smaller; the strategy pads it so that it splits over the replicas,
-    and the training step counts only its real examples.
+    and the training step counts only its real examples. Each epoch's order is a function of the
+    seed and the epoch, and a pass's iterator has `get_state()` / `set_state()` (the protocol of
+    Grain's iterators), so a checkpoint restores an epoch at the batch it stopped at without
+    reading the batches before it.
     """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, batch_size: int, seed: int):
-        self._images, self._labels = images, labels
-        self._batch_size = batch_size
-        self._rng = np.random.default_rng(seed)
+        self.images, self.labels = images, labels
+        self.batch_size = batch_size
+        self.seed = seed
+        self.next_epoch = 0
 
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        order = self._rng.permutation(len(self._labels))
-        for start in range(0, len(order), self._batch_size):
-            index = order[start : start + self._batch_size]
-            yield self._images[index], self._labels[index]
+    def __iter__(self) -> Epoch:
+        epoch = Epoch(self, self.next_epoch)
+        self.next_epoch += 1
+        return epoch
 
     def __len__(self) -> int:
-        return -(-len(self._labels) // self._batch_size)
+        return -(-len(self.labels) // self.batch_size)
+
+
+class Epoch:
+    """One pass over the training set: its batches in the epoch's order."""
+
+    def __init__(self, source: ShuffledBatches, epoch: int):
+        self._source = source
+        self._start(epoch, 0)
+
+    def _start(self, epoch: int, batch: int) -> None:
+        self.epoch, self.batch = epoch, batch
+        # The epoch-th shuffle drawn from one generator, as drawing one per epoch gives.
+        rng = np.random.default_rng(self._source.seed)
+        for _ in range(epoch + 1):
+            self._order = rng.permutation(len(self._source.labels))
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        start = self.batch * self._source.batch_size
+        if start >= len(self._order):
+            raise StopIteration
+        self.batch += 1
+        index = self._order[start : start + self._source.batch_size]
+        return self._source.images[index], self._source.labels[index]
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self._start(state["epoch"], state["batch"])
+        self._source.next_epoch = state["epoch"] + 1
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -97,7 +143,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="train on this many devices with MirroredStrategy (on a machine without "
         "accelerators, as many CPU devices)",
     )
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=10,
+        help="passes over the training set, in all: a run that resumes from --output-dir's checkpoints "
+        "trains until this many are done",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="examples per training step")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="the optimizer")
     parser.add_argument(
@@ -111,6 +163,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the shuffles and the weights")
     parser.add_argument(
         "--output-dir", type=Path, default=Path("demo_output"), help="where the checkpoints and loss curve go"
+    )
+    parser.add_argument(
+        "--preempt-at",
+        type=int,
+        metavar="STEP",
+        help="send this process SIGTERM once this training step has run, as a cluster would, to try "
+        "the exact resume: run the same command again without it",
     )
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "hidden", "replicas"):
@@ -181,53 +240,86 @@ def train(args: argparse.Namespace) -> float:
     batches = ShuffledBatches(train_images, train_labels, args.batch_size, args.seed)
     # A last batch that does not split over the replicas is padded, with a mask of its real examples.
     dataset = strategy.experimental_distribute_dataset(batches, jaxstrategy.InputOptions(partial_batch="pad"))
+    steps_per_epoch = len(dataset)
     test_set = strategy.put((test_images, test_labels))
+    iterator = iter(dataset)
+
+    def saved() -> dict[str, Any]:
+        """What a checkpoint holds: the objects' state, and where the input stands."""
+        return {"model": model, "optimizer": optimizer, "data": iterator}
 
     losses: list[float] = []
     checkpoints = args.output_dir / "checkpoints"
-    with checkpoint.Checkpointer(checkpoints, max_to_keep=2) as checkpointer:
-        start = checkpointer.latest_step()
-        if start is not None:  # A previous run's checkpoints: continue from them.
-            # Into the live objects, in place.
-            checkpointer.restore(strategy=strategy, target={"model": model, "optimizer": optimizer})
-            print(f"resumed from the checkpoint of epoch {start}")
-        first_epoch = 0 if start is None else start + 1
-        for epoch in range(first_epoch, first_epoch + args.epochs):
+    with (
+        checkpoint.Checkpointer(checkpoints, max_to_keep=2) as checkpointer,
+        # Ctrl-C or SIGTERM: finish the step, save (the input's position too), exit with status 42.
+        checkpoint.PreemptionHandler(
+            checkpointer, strategy, signals=(signal.SIGINT, signal.SIGTERM)
+        ) as handler,
+    ):
+        handler.restore(saved())  # A previous run's newest checkpoint, into the live objects and iterator.
+        first_step = handler.step
+        if first_step:
+            epoch, batch = divmod(first_step, steps_per_epoch)
+            print(
+                f"resumed at epoch {epoch + 1}, batch {batch} of {steps_per_epoch} (step {first_step}), "
+                f"from {checkpoints}"
+            )
+        steps = handler.steps(args.epochs * steps_per_epoch, saved)
+        for epoch in range(first_step // steps_per_epoch, args.epochs):
+            if handler.step % steps_per_epoch == 0 and handler.step:
+                iterator = iter(dataset)  # The next epoch; a resumed one goes on in the restored iterator.
             started, examples = time.perf_counter(), 0
             # disable=None: a live bar on a terminal, nothing in logs and pipes.
             progress = tqdm(
-                dataset, total=len(dataset), desc=f"epoch {epoch + 1}", unit="step", leave=False, disable=None
+                total=steps_per_epoch,
+                initial=handler.step % steps_per_epoch,
+                desc=f"epoch {epoch + 1}",
+                unit="step",
+                leave=False,
+                disable=None,
             )
-            for batch in progress:
+            for step in itertools.islice(steps, steps_per_epoch - handler.step % steps_per_epoch):
+                batch = next(iterator)  # Taken after the step boundary, where a preemption saves.
                 loss = strategy.run(train_step, args=(model, optimizer, batch))
                 losses.append(float(loss))  # Reading the loss each step, as a progress bar does.
                 # The real examples, one part per replica (the whole batch on one device).
                 examples += sum(int(part.sum()) for part in strategy.experimental_local_results(batch[1]))
                 rate = examples / (time.perf_counter() - started)
+                progress.update()
                 progress.set_postfix(loss=f"{losses[-1]:.4f}", examples_per_s=f"{rate:.0f}", refresh=False)
+                if step == args.preempt_at:
+                    threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+            progress.close()
             test_accuracy = float(strategy.run(accuracy, args=(model, *test_set)))
             print(
                 f"epoch {epoch + 1}: loss {losses[-1]:.4f}, test accuracy {test_accuracy:.4f}, "
                 f"{examples / (time.perf_counter() - started):.0f} examples/s"
             )
-            # The objects' state, written in the background.
-            checkpointer.save(epoch, {"model": model, "optimizer": optimizer})
+            # The objects' state and the input's position, written in the background.
+            checkpointer.save(handler.step, saved())
         checkpointer.wait()
         latest = checkpointer.latest_step()
+        assert latest is not None  # At least one epoch was trained and saved.
         restored, restored_optimizer = new_model(args, strategy)  # Fresh objects, then the checkpoint.
-        checkpointer.restore(strategy=strategy, target={"model": restored, "optimizer": restored_optimizer})
+        with iter(dataset) as spare:
+            checkpointer.restore(
+                strategy=strategy, target={"model": restored, "optimizer": restored_optimizer, "data": spare}
+            )
+    test_accuracy = float(strategy.run(accuracy, args=(model, *test_set)))
     restored_accuracy = float(strategy.run(accuracy, args=(restored, *test_set)))
     print(f"test accuracy {test_accuracy:.4f}; ", end="")
-    print(f"restored from the checkpoint of epoch {latest + 1}: {restored_accuracy:.4f}")
-    write_loss_curve(losses, args.output_dir / "loss.png")
-    print(f"wrote {args.output_dir / 'loss.png'} and checkpoints in {checkpoints}")
+    print(f"restored from the checkpoint of epoch {latest // steps_per_epoch}: {restored_accuracy:.4f}")
+    if losses:
+        write_loss_curve(losses, first_step, args.output_dir / "loss.png")
+        print(f"wrote {args.output_dir / 'loss.png'} and checkpoints in {checkpoints}")
     return test_accuracy
 
 
-def write_loss_curve(losses: list[float], path: Path) -> None:
+def write_loss_curve(losses: list[float], first_step: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(losses, linewidth=1)
+    axes.plot(range(first_step, first_step + len(losses)), losses, linewidth=1)
     axes.set(
         xlabel="training step", ylabel="cross-entropy loss", yscale="log", title="digits MLP, jaxstrategy"
     )

@@ -2,21 +2,31 @@
 
 `save` / `restore` for one checkpoint; `Checkpointer` for a training loop (saves in the
 background, keeps the newest steps). Restoring reads every leaf directly onto the target
-strategy's sharding, whatever strategy saved it.
+strategy's sharding, whatever strategy saved it, and checks each leaf against the checksum saved
+with it. A save locks its directory until it is on disk, so that a second writer is refused
+(`CheckpointLockedError`) rather than losing saves. A `DistributedIterator`
+in the tree saves and restores its position. `PreemptionHandler` saves a training loop when the
+job is told to stop (SIGTERM), and ends it with the status `PREEMPTED_EXIT_CODE`.
 """
 
 from jaxstrategy._src.checkpoint import Checkpointer as Checkpointer
+from jaxstrategy._src.checkpoint import CheckpointLockedError as CheckpointLockedError
 from jaxstrategy._src.checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from jaxstrategy._src.checkpoint import CheckpointNotFoundError as CheckpointNotFoundError
 from jaxstrategy._src.checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from jaxstrategy._src.checkpoint import restore as restore
 from jaxstrategy._src.checkpoint import save as save
+from jaxstrategy._src.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from jaxstrategy._src.preemption import PreemptionHandler as PreemptionHandler
 
 __all__ = (
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "PREEMPTED_EXIT_CODE",
+    "PreemptionHandler",
     "restore",
     "save",
 )

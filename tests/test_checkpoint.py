@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +25,7 @@ import pytest
 
 import jaxstrategy
 from jaxstrategy import OneDeviceStrategy, checkpoint
+from jaxstrategy.testing import run_local_workers
 
 
 def _tree():
@@ -590,3 +596,367 @@ def test_a_checkpoint_of_an_orbax_checkpoint_manager_restores(tmp_path):
         r"steps \[1, 2\]",
     ):
         checkpoint.restore(tmp_path, step=5)
+
+
+# --- checksums ---------------------------------------------------------------------------------
+
+
+def _flip(path: Path, start: int, count: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[start : start + count] = bytes(byte ^ 0xFF for byte in data[start : start + count])
+    path.write_bytes(bytes(data))
+
+
+def _save_damaged(directory: Path, leaf, fraction: float, count: int) -> np.ndarray:
+    """Save {'w': leaf, 'b': {'c': ...}}, flip `count` bytes of the array data file at `fraction`
+    of its length, and return w's values as saved."""
+    checkpoint.save(directory, {"w": leaf, "b": {"c": jnp.ones(5)}})
+    data = _largest_file(directory / "0" / "state")  # w's compressed chunk, in orbax's OCDBT store
+    _flip(data, int(data.stat().st_size * fraction), count)
+    return np.asarray(leaf)
+
+
+_DAMAGED = r"the bytes read for these leaves differ from those saved \(their checksums, written with the step, do not match\), so its files were damaged or changed after the save:\n  w: checksum 0x[0-9a-f]{8}, saved 0x[0-9a-f]{8}\nRestore another step, or restore with verify=False"
+
+
+@pytest.mark.parametrize("count", [1, 64], ids=["1-byte", "64-bytes"])
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_flipped_bytes_in_the_array_data_are_a_corrupt_checkpoint_naming_the_leaf(tmp_path, fraction, count):
+    values = jnp.asarray(np.random.default_rng(0).standard_normal(100_000, dtype=np.float32))
+    saved = _save_damaged(tmp_path, values, fraction, count)
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError,
+        match=re.escape(f"Cannot read the checkpoint at step 0 in {tmp_path}: ") + _DAMAGED,
+    ):
+        checkpoint.restore(tmp_path)
+    damaged = checkpoint.restore(tmp_path, verify=False)["w"]
+    assert not np.array_equal(np.asarray(damaged), saved), "the flip landed in w's values"
+
+
+def test_damage_that_orbax_cannot_decompress_is_a_corrupt_checkpoint_naming_the_leaf(tmp_path):
+    values = jnp.asarray(np.random.default_rng(0).standard_normal(100_000, dtype=np.float32))
+    # One leaf: orbax abandons the reads of the others when one fails, and those print
+    # "Exception ignored" at a time of the garbage collector's choosing, which pytest reports.
+    checkpoint.save(tmp_path, {"w": values})
+    _flip(_largest_file(tmp_path / "0" / "state"), 5, 1)  # In the header of w's zstd frame.
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError,
+        match=re.escape(
+            f"Cannot read the checkpoint at step 0 in {tmp_path}: the data of the leaf 'w' cannot be "
+            "read, so its files were damaged or changed after the save ("
+        )
+        + r".*ZSTD.*\)\. Restore another step\.$",
+    ):
+        checkpoint.restore(tmp_path)
+
+
+def test_a_leaf_sharded_over_devices_is_checked_too(tmp_path, cpu_devices):
+    mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    values = np.random.default_rng(1).standard_normal(100_000, dtype=np.float32)
+    checkpoint.save(tmp_path / "whole", {"w": jax.device_put(values, sharding)})
+    assert np.array_equal(np.asarray(checkpoint.restore(tmp_path / "whole")["w"]), values)
+    _save_damaged(tmp_path / "damaged", jax.device_put(values, sharding), 0.5, 64)
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=_DAMAGED):
+        checkpoint.restore(tmp_path / "damaged")
+
+
+def test_every_kind_of_leaf_restores_through_its_checksum(tmp_path):
+    tree = {**_tree(), "empty": _zero_size_tree(), "i64": np.array([-(2**31)], np.int64)}
+    checkpoint.save(tmp_path, tree)
+    record = (tmp_path / "0" / "checksums" / "checksums.json").read_text()
+    assert all(f'"{name}' in record for name in ("f32", "bf16/0", "keys/1", "empty/rows", "i64"))
+    restored = checkpoint.restore(tmp_path, target={**tree, "i64": np.zeros(1, np.int64)})
+    _assert_bit_exact({key: restored[key] for key in _tree()}, _tree())
+
+
+def test_a_step_saved_without_checksums_restores_unchecked(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.arange(3.0)})
+    shutil.rmtree(tmp_path / "0" / "checksums")  # As saved before jaxstrategy wrote them.
+    assert checkpoint.restore(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_checksums_of_an_unknown_algorithm_are_a_clear_error(tmp_path):
+    checkpoint.save(tmp_path, {"w": jnp.arange(3.0)})
+    record = tmp_path / "0" / "checksums" / "checksums.json"
+    record.write_text(record.read_text().replace("crc32", "sha3"))
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError,
+        match=r"its checksums are of the algorithm 'sha3 of 4 KiB block sums', and this version of "
+        r"jaxstrategy knows only 'crc32 of 4 KiB block sums'. Upgrade jaxstrategy, or restore with verify=False",
+    ):
+        checkpoint.restore(tmp_path)
+    assert checkpoint.restore(tmp_path, verify=False)["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+# --- one writer per directory ------------------------------------------------------------------
+
+_WRITER = textwrap.dedent(
+    """
+    import json, sys, time
+    import jax.numpy as jnp
+    from jaxstrategy import checkpoint
+
+    directory, writer, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    time.sleep(max(0.0, start - time.time()))  # Both writers start together.
+    for attempt in range(4):
+        value = 100 * writer + attempt
+        try:
+            step = checkpoint.save(directory, {"who": jnp.full((512, 512), value, jnp.float32)})
+            print(json.dumps(["saved", step, value]), flush=True)
+        except Exception as error:
+            print(json.dumps([type(error).__name__, str(error)]), flush=True)
+    """
+)
+
+
+def test_two_independent_writers_never_lose_a_save(tmp_path):
+    start = time.time() + 8  # Past both imports of JAX.
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(tmp_path), str(writer), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for writer in (1, 2)
+    ]
+    outputs = []
+    try:
+        for writer in writers:
+            out, err = writer.communicate(timeout=180)  # A hang fails here.
+            assert writer.returncode == 0, err
+            assert "Traceback" not in err, err
+            outputs.append([json.loads(line) for line in out.splitlines()])
+    finally:
+        for writer in writers:
+            writer.kill()
+    saved = [
+        (step, value)
+        for lines in outputs
+        for kind, *rest in lines
+        if kind == "saved"
+        for step, value in [rest]
+    ]
+    refused = [
+        (index, rest[0]) for index, lines in enumerate(outputs) for kind, *rest in lines if kind != "saved"
+    ]
+    assert saved, outputs
+    for index, message in refused:  # Only refusals, each naming the directory and the other writer.
+        other = writers[1 - index].pid
+        assert re.match(
+            _locked(tmp_path, other)
+            + r" \(holding it since .*\)\. Two independent writers in one directory lose each other's "
+            r"saves \(to each other's max_to_keep, or to one step number\)\. Stop that writer, or save to "
+            r"another directory\.$",
+            message,
+        ), message
+    steps = [step for step, _ in saved]
+    assert len(set(steps)) == len(steps), f"two saves reported as one step: {saved}"
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.all_steps() == sorted(steps)
+        for step, value in saved:  # Every save reported is there, intact.
+            assert checkpointer.restore(step)["who"][0, 0].tolist() == value
+    assert not (tmp_path / ".jaxstrategy.lock").exists()
+
+
+def _locked(directory: Path, pid: int) -> str:
+    """The start of the message of a CheckpointLockedError for a save into `directory`, as a regex."""
+    return re.escape(
+        f"checkpoint.save(): cannot save into {directory}: another writer's save there is in flight "
+        f"({directory / '.jaxstrategy.lock'}): process {pid} on host {socket.gethostname()!r}"
+    )
+
+
+def test_a_checkpointer_holds_its_directory_while_a_save_is_in_flight(tmp_path):
+    program = "import sys, jax.numpy as jnp; from jaxstrategy import checkpoint; checkpoint.save(sys.argv[1], {'w': jnp.ones(1)})"
+    holder = checkpoint.Checkpointer(tmp_path)
+    holder.save(0, {"w": jnp.zeros(1)})  # On disk once the holder waits.
+    other = subprocess.run(
+        [sys.executable, "-c", program, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert other.returncode == 1
+    assert re.search(f"CheckpointLockedError: {_locked(tmp_path, os.getpid())}", other.stderr), other.stderr
+    with pytest.raises(
+        checkpoint.CheckpointLockedError,
+        match=r"another Checkpointer of this process, whose save is on disk once it waits \(wait\(\), its "
+        r"next save\(\), restore\(\) or close\(\)\)\. Save through one Checkpointer per directory, or "
+        r"wait\(\) for the other's save first\.$",
+    ) as info:
+        checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    assert isinstance(info.value, RuntimeError)
+    assert holder.save(1, {"w": jnp.ones(1)}), "the holder saves on"
+    holder.wait()
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["0", "1"], "no lock file at rest"
+    assert checkpoint.save(tmp_path, {"w": jnp.ones(1)}) == 2, "and the next writer gets in"
+    holder.close()
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import jax.numpy as jnp
+    from jaxstrategy import checkpoint
+
+    directory, forks = Path(sys.argv[1]), sys.argv[2] == "forks"
+    checkpointer = checkpoint.Checkpointer(directory)
+    checkpointer.save(0, {"w": jnp.zeros(1)})  # Locked until it waits, which it never does.
+    while not (directory / "0").is_dir():  # On disk.
+        time.sleep(0.01)
+    if forks and os.fork() == 0:  # A worker that outlives it, as data loaders' may.
+        time.sleep(600)
+        os._exit(0)
+    print("holding", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("forks", [False, True], ids=["alone", "with-a-forked-child-alive"])
+def test_the_lock_of_a_killed_writer_is_taken_over_with_a_warning(tmp_path, forks):
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path), "forks" if forks else "alone"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # Its forked child too is killed at the end, with the group.
+    ) as holder:
+        try:
+            assert holder.stdout.readline() == "holding\n"
+            os.kill(holder.pid, signal.SIGKILL)  # The child, if any, lives on.
+            holder.wait(timeout=60)
+            _assert_taken_over(tmp_path, holder.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # None left, without a child.
+                os.killpg(holder.pid, signal.SIGKILL)
+
+
+def _assert_taken_over(tmp_path: Path, pid: int) -> None:
+    (tmp_path / "1.orbax-checkpoint-tmp" / "state").mkdir(parents=True)  # What a killed save leaves.
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            f"checkpoint.save(): took over the lock of {tmp_path} from process {pid} on host "
+            f"{socket.gethostname()!r} (holding it since "
+        )
+        + r".*\), which ended without releasing it \(it crashed or was killed\); the unfinished saves it "
+        "left are removed.",
+    ):
+        assert checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=1) == 1
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["0", "1"]
+
+
+_JOB = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import jaxstrategy
+    from jaxstrategy import checkpoint
+
+    strategy = jaxstrategy.MultiWorkerMirroredStrategy()
+    directory = sys.argv[1]
+    w = strategy.put(np.arange(6, dtype=np.float32))
+    with checkpoint.Checkpointer(directory, max_to_keep=2) as checkpointer:
+        for step in range(3):
+            checkpointer.save(step, {"w": w * step})
+    print(checkpoint.save(directory, {"w": w * 10}), flush=True)
+    """
+)
+
+
+def test_the_processes_of_one_job_save_into_one_directory(tmp_path):
+    results = run_local_workers(["-c", _JOB, str(tmp_path)], timeout=240)
+    outcomes = [(result.returncode, result.stdout.splitlines()[-1:]) for result in results]
+    assert outcomes == [(0, ["3"])] * 2, [result.stderr[-3000:] for result in results]
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        assert checkpointer.all_steps() == [1, 2, 3]
+        assert checkpointer.restore(3)["w"].tolist() == [10.0 * i for i in range(6)]
+
+
+# --- failed writes -----------------------------------------------------------------------------
+
+_FILE_SIZE_LIMITED = textwrap.dedent(
+    """
+    import json, resource, signal, sys
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxstrategy import checkpoint
+
+    directory = sys.argv[1]
+    checkpoint.save(directory, {"w": jnp.zeros(4)}, step=0)
+    # Writes past 1 MiB fail with EFBIG, as they would with ENOSPC on a full disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+    big = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(2**20, dtype=np.float32))}
+    for step in (1, 2):
+        try:
+            if step == 1:
+                checkpoint.save(directory, big, step=1)
+            else:
+                with checkpoint.Checkpointer(directory) as checkpointer:
+                    checkpointer.save(2, big)  # Fails in the background, raises here at close.
+            print(json.dumps(["saved", step]), flush=True)
+        except Exception as error:
+            print(json.dumps([type(error).__name__, getattr(error, "errno", None), str(error)]), flush=True)
+    """
+)
+
+
+def test_a_write_that_fails_midway_is_one_clear_error_without_tracebacks(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == 2, lines
+    for step, (kind, code, message) in zip((1, 2), lines, strict=True):
+        assert (kind, code) == ("OSError", errno.EFBIG), message
+        assert message.startswith(
+            f"[Errno 27] Checkpointer.save(): could not write step {step} to {tmp_path}: File too large "
+            "(EFBIG). The file size limit (ulimit -f) stopped the write: raise it, or save elsewhere. "
+            "(The error: "
+        ), message
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["0"], "no unfinished save is left"
+    assert checkpoint.restore(tmp_path)["w"].tolist() == [0.0] * 4
+
+
+def test_a_file_where_the_directory_should_be_is_one_clear_error(tmp_path, capfd):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(
+        NotADirectoryError,
+        match=re.escape(
+            f"Checkpointer(): could not create the directory {blocker / 'ckpt'}: Not a directory (ENOTDIR). "
+            "A file stands where a directory is expected: move it, or save elsewhere."
+        ),
+    ):
+        checkpoint.save(blocker / "ckpt", {"w": jnp.ones(1)})
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_directory_is_one_clear_error(tmp_path, capfd):
+    checkpoint.save(tmp_path, {"w": jnp.ones(1)})
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(
+            PermissionError,
+            match=re.escape(
+                f"checkpoint.save(): cannot lock {tmp_path} to save there: Permission denied (EACCES). "
+                "This user may not write there: change its permissions, or save elsewhere."
+            ),
+        ):
+            checkpoint.save(tmp_path, {"w": jnp.zeros(1)})
+        assert checkpoint.restore(tmp_path)["w"].tolist() == [1.0], "reading still works"
+    finally:
+        tmp_path.chmod(0o755)
+    assert "Traceback" not in capfd.readouterr().err

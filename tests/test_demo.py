@@ -1,4 +1,5 @@
-"""The demo (`make demo`) trains, reports, checkpoints and plots; run here for one short epoch."""
+"""The demo (`make demo`) trains, reports, checkpoints and plots; run here for one or two short
+epochs, and stopped by SIGTERM mid-epoch then resumed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from jaxstrategy import checkpoint
 
@@ -40,12 +42,15 @@ def test_one_short_epoch_prints_and_writes_what_it_says(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = checkpoint.restore(tmp_path / "checkpoints")
     assert saved["model"]["hidden1"]["kernel"]["value"].shape == (64, 256)
+    # Where the input stood: the end of the epoch, whose iterator has its own state.
+    position = saved.pop("data")
+    assert position["batches"] == 45 and position["source_states"] == [{"json": {"epoch": 0, "batch": 45}}]
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(saved))
 
-    again = _run_demo("--epochs", "1", "--output-dir", str(tmp_path))
+    again = _run_demo("--epochs", "2", "--output-dir", str(tmp_path))  # Two in all: one more.
     assert again.returncode == 0, again.stderr
-    assert "resumed from the checkpoint of epoch 0" in again.stdout
-    assert "epoch 2: loss " in again.stdout
+    assert f"resumed at epoch 2, batch 0 of 45 (step 45), from {tmp_path / 'checkpoints'}" in again.stdout
+    assert "epoch 2: loss " in again.stdout and "epoch 1:" not in again.stdout
 
 
 def _losses_and_accuracies(stdout: str) -> list[str]:
@@ -53,14 +58,43 @@ def _losses_and_accuracies(stdout: str) -> list[str]:
     return [line.rsplit(",", 1)[0] for line in stdout.splitlines() if line.startswith("epoch ")]
 
 
-def test_replicas_train_the_same_script_with_mirrored_strategy(tmp_path):
+@pytest.fixture(scope="module")
+def sgd_two_epochs(tmp_path_factory) -> subprocess.CompletedProcess[str]:
+    """Two epochs of plain SGD on one device, uninterrupted."""
+    done = _run_demo(
+        "--optimizer", "sgd", "--epochs", "2", "--output-dir", str(tmp_path_factory.mktemp("sgd"))
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_sigterm_mid_epoch_saves_and_the_next_run_resumes_there_exactly(tmp_path, sgd_two_epochs):
+    args = ("--optimizer", "sgd", "--epochs", "2", "--output-dir", str(tmp_path))
+    stopped = _run_demo(*args, "--preempt-at", "50")  # SIGTERM from a thread once step 50 ran.
+    assert stopped.returncode == 42, stopped.stderr
+    assert "epoch 2:" not in stopped.stdout
+    saved = checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step()
+    assert 50 < saved < 90  # Mid-epoch: the second epoch's steps are 45 to 89.
+    assert (
+        f"PreemptionHandler: preempted by SIGTERM: saved step {saved} to {tmp_path / 'checkpoints'}"
+        in stopped.stderr
+    )
+    assert f"exiting with status 42. Run the program again to resume at step {saved}." in stopped.stderr
+
+    resumed = _run_demo(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at epoch 2, batch {saved - 45} of 45 (step {saved}), from " in resumed.stdout
+    # The same second epoch as without the stop: its last loss and its accuracy.
+    assert _losses_and_accuracies(resumed.stdout) == _losses_and_accuracies(sgd_two_epochs.stdout)[1:]
+
+
+def test_replicas_train_the_same_script_with_mirrored_strategy(tmp_path, sgd_two_epochs):
     # Plain SGD, which steps by the gradient's scale: replicas' gradients that were summed, or
     # averaged over uneven parts, would show here.
-    one = _run_demo("--optimizer", "sgd", "--epochs", "2", "--output-dir", str(tmp_path / "one"))
+    one = sgd_two_epochs
     two = _run_demo(
         "--optimizer", "sgd", "--replicas", "2", "--epochs", "2", "--output-dir", str(tmp_path / "two")
     )
-    assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     lines = two.stdout.splitlines()
     assert lines[0] == (
@@ -83,6 +117,7 @@ def test_help_explains_the_flags():
         "--epochs",
         "--batch-size",
         "--output-dir",
+        "--preempt-at",
     ):
         assert flag in done.stdout
 

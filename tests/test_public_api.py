@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
 
 import jaxstrategy
 
@@ -29,6 +31,7 @@ PUBLIC_NAMES = (
     "StrategyContextError",
     "TFConfigClusterResolver",
     "ValueContext",
+    "experimental_set_strategy",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
@@ -58,10 +61,13 @@ STRATEGY_METHODS = (
 
 
 CHECKPOINT_NAMES = (
+    "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "PREEMPTED_EXIT_CODE",
+    "PreemptionHandler",
     "restore",
     "save",
 )
@@ -73,8 +79,22 @@ def test_checkpoint_module_is_pinned():
     assert checkpoint.__all__ == CHECKPOINT_NAMES
     for name in CHECKPOINT_NAMES:
         assert getattr(checkpoint, name).__doc__, name
-    for name in ("Checkpointer", "save", "restore"):
+    for name in ("Checkpointer", "save", "restore", "PreemptionHandler"):
         assert ">>>" in getattr(checkpoint, name).__doc__, name
+    assert checkpoint.PREEMPTED_EXIT_CODE == 42
+    assert [name for name in dir(checkpoint.PreemptionHandler) if not name.startswith("_")] == [
+        "close",
+        "preempted",
+        "restore",
+        "step",
+        "steps",
+    ]
+
+
+def test_distributed_iterators_save_and_restore_their_position():
+    iterator = jaxstrategy.DistributedIterator
+    assert ">>>" in iterator.get_state.__doc__
+    assert set(inspect.signature(iterator.set_state).parameters) == {"self", "state"}
 
 
 def test_testing_module_is_pinned():
@@ -199,3 +219,15 @@ def test_every_public_name_has_a_docstring_with_an_example():
         "experimental_distribute_values_from_function",
     ):
         assert ">>>" in getattr(jaxstrategy.OneDeviceStrategy, method).__doc__, method
+
+
+def test_importing_the_package_does_not_start_jax():
+    # A JAX that has started cannot join a job of several processes, and MultiWorkerMirroredStrategy
+    # must be creatable after `import jaxstrategy`: importing creates no array and asks for no device.
+    program = (
+        "import jaxstrategy, jaxstrategy.checkpoint, jaxstrategy.nn, jaxstrategy.testing\n"
+        "from jax._src import xla_bridge\n"
+        "assert not xla_bridge.backends_are_initialized(), 'importing jaxstrategy started JAX'\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=False)
+    assert completed.returncode == 0, completed.stderr

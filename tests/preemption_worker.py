@@ -1,0 +1,195 @@
+"""A training job for tests/test_preemption.py: SGD with momentum on fixed data, for a few epochs,
+under a `PreemptionHandler`, stopped by SIGTERM at a chosen step and resumed by running it again.
+
+Run as a program it is one process of a job (`--strategy multi-worker`, started by
+`run_local_workers`) or a job of its own; it prints one line per step, `loss <step> <hex>`, the
+loss exactly (`float.hex`). The tests also import `train` and run it in their own process.
+
+Input: with one process, `experimental_distribute_dataset` of a list of global batches (restored
+by skipping what was taken) or, with `--stateful`, `distribute_datasets_from_function` of a source
+whose iterator has get_state/set_state (restored from its state); with several processes, each
+process reads its own pipeline: process 0 a list, the others the stateful source, so their saved
+positions differ in kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax  # Importing starts nothing: MultiWorkerMirroredStrategy() must still come first.
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxstrategy
+from jaxstrategy import checkpoint
+
+NUM_FEATURES = 8
+EXAMPLES_PER_ELEMENT = 4
+ELEMENTS_PER_PIPELINE = 12
+
+
+OPTIMIZER = optax.sgd(0.01, momentum=0.9)
+
+
+def init_params(key: jax.Array) -> Any:
+    return {"w": 0.1 * jax.random.normal(key, (NUM_FEATURES, 1)), "b": jnp.zeros(1)}
+
+
+def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
+    x, y = batch
+
+    def loss_fn(p: Any) -> jax.Array:
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jaxstrategy.get_replica_context().all_reduce("mean", (loss, grads))
+    updates, opt_state = OPTIMIZER.update(grads, opt_state)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _elements(pipeline: int, count: int) -> list[tuple[Any, Any]]:
+    rng = np.random.default_rng(100 + pipeline)
+    return [
+        (
+            rng.standard_normal((EXAMPLES_PER_ELEMENT, NUM_FEATURES)).astype(np.float32),
+            rng.standard_normal((EXAMPLES_PER_ELEMENT, 1)).astype(np.float32),
+        )
+        for _ in range(count)
+    ]
+
+
+class EpochShuffled:
+    """A source whose passes are epochs, each in its own seeded order; its iterator has Grain's
+    get_state/set_state protocol, so a pass is restored from its state, epoch included."""
+
+    def __init__(self, elements: list[Any]):
+        self.elements = elements
+        self.next_epoch = 0
+
+    def __iter__(self) -> EpochIterator:
+        iterator = EpochIterator(self, self.next_epoch)
+        self.next_epoch += 1
+        return iterator
+
+
+class EpochIterator:
+    def __init__(self, source: EpochShuffled, epoch: int):
+        self._source = source
+        self._set(epoch, 0)
+
+    def _set(self, epoch: int, index: int) -> None:
+        self.epoch, self.index = epoch, index
+        self._order = np.random.default_rng(epoch).permutation(len(self._source.elements))
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self.index == len(self._order):
+            raise StopIteration
+        self.index += 1
+        return self._source.elements[self._order[self.index - 1]]
+
+    def get_state(self) -> bytes:
+        return f"{self.epoch} {self.index}".encode()  # Bytes, as Grain's DataLoaderIterator gives.
+
+    def set_state(self, state: bytes) -> None:
+        epoch, index = map(int, state.decode().split())
+        self._set(epoch, index)
+        self._source.next_epoch = epoch + 1
+
+
+def train(
+    strategy: Any,
+    directory: str,
+    *,
+    epochs: int,
+    stateful: bool,
+    kill_at: int | None = None,
+    report: Callable[[int, float], None] = lambda step, loss: None,
+    exit_code: int | None = 42,
+) -> Any:
+    """Train (resuming from `directory` if it holds a checkpoint); send this process SIGTERM, from
+    another thread, once step `kill_at` has run. Returns the PreemptionHandler."""
+    num_pipelines, pipeline = jax.process_count(), jax.process_index()
+    if num_pipelines > 1 or stateful:
+
+        def dataset_fn(context: jaxstrategy.InputContext) -> Any:
+            elements = _elements(context.input_pipeline_id, ELEMENTS_PER_PIPELINE)
+            return (
+                elements if num_pipelines > 1 and context.input_pipeline_id == 0 else EpochShuffled(elements)
+            )
+
+        dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    else:
+        global_batch = EXAMPLES_PER_ELEMENT * strategy.num_replicas_in_sync
+        x, y = (np.concatenate(parts) for parts in zip(*_elements(pipeline, 24), strict=True))
+        batches = [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(0, len(x), global_batch)]
+        dataset = strategy.experimental_distribute_dataset(batches)
+    # Each step takes one element per replica of this process (the list source: one batch).
+    local_replicas = len(strategy.extended.worker_devices)
+    steps_per_epoch = len(dataset) if dataset.cardinality >= 0 else ELEMENTS_PER_PIPELINE // local_replicas
+
+    params = strategy.init(init_params, jax.random.key(0))
+    opt_state = strategy.init(OPTIMIZER.init, params)
+
+    checkpointer = checkpoint.Checkpointer(directory)
+    handler = checkpoint.PreemptionHandler(checkpointer, strategy, exit_code=exit_code)
+    iterator: Iterator[Any] = iter(dataset)
+    restored = handler.restore({"params": params, "opt_state": opt_state, "data": iterator})
+    params, opt_state = restored["params"], restored["opt_state"]
+    if handler.step:
+        print(f"resumed at step {handler.step}: {iterator.get_state()}", flush=True)  # type: ignore[attr-defined]
+
+    def saved() -> Any:
+        return {"params": params, "opt_state": opt_state, "data": iterator}
+
+    try:
+        for step in handler.steps(epochs * steps_per_epoch, saved):
+            if step % steps_per_epoch == 0 and step:
+                iterator = iter(dataset)  # A new epoch: the next pass.
+            params, opt_state, loss = strategy.run(train_step, args=(params, opt_state, next(iterator)))
+            report(step, float(loss))
+            if step == kill_at:
+                # From another thread, as a scheduler's signal arrives: whenever it does.
+                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    finally:
+        checkpointer.close()
+    return handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directory")
+    parser.add_argument("--strategy", choices=["one-device", "mirrored", "multi-worker"], required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--stateful", action="store_true")
+    parser.add_argument("--kill-at", type=int, help="send SIGTERM to this process after this step")
+    parser.add_argument("--kill-process", type=int, default=0, help="which process gets it (-1: all)")
+    args = parser.parse_args()
+    if args.strategy == "multi-worker":
+        strategy: Any = jaxstrategy.MultiWorkerMirroredStrategy()  # First: it joins the job.
+    elif args.strategy == "mirrored":
+        strategy = jaxstrategy.MirroredStrategy()
+    else:
+        strategy = jaxstrategy.OneDeviceStrategy()
+    kill_at = args.kill_at if args.kill_process in (jax.process_index(), -1) else None
+
+    def report(step: int, loss: float) -> None:
+        print(f"loss {step} {loss.hex()}", flush=True)
+
+    train(
+        strategy, args.directory, epochs=args.epochs, stateful=args.stateful, kill_at=kill_at, report=report
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
