@@ -8,6 +8,7 @@ processes and fails on any retrace, nnx fails on any retrace or compile while ti
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +24,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
     ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py", "nnx.py"],
 )
 def test_benchmark_smoke_run(script):
+    _smoke(script)
+
+
+def test_keras_comparison_smoke_run():
+    if importlib.util.find_spec("keras") is None:  # Not imported here: it needs KERAS_BACKEND first.
+        pytest.skip("bench/vs_keras.py needs the bench extra: pip install -e '.[bench]'")
+    _smoke("vs_keras.py")
+
+
+def _smoke(script):
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / script), "--quick"],
         cwd=REPO_ROOT,
