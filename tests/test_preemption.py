@@ -14,6 +14,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -169,10 +171,59 @@ def test_a_configured_signal_stops_the_loop_and_a_second_one_does_what_it_did_be
         for step in handler.steps(10, lambda: {"w": jnp.full(2, len(steps))}):
             steps.append(step)
             if step == 2:
-                os.kill(os.getpid(), signal.SIGUSR1)
-                os.kill(os.getpid(), signal.SIGINT)  # A second: Python's own handler raises.
+                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's early notice, say.
+                os.kill(os.getpid(), signal.SIGINT)  # Another signal: not yet twice.
+                os.kill(os.getpid(), signal.SIGINT)  # The same one again: Python's own handler raises.
     assert steps == [0, 1, 2] and not handler.preempted and checkpointer.latest_step() is None
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+NOTICE_THEN_SIGTERM = """
+import os, signal, sys, tempfile, time
+import jax.numpy as jnp
+from jaxstrategy import checkpoint
+from jaxstrategy._src import preemption
+preemption._NOTICE_POLL_S = 0.01
+handler = checkpoint.PreemptionHandler(
+    checkpoint.Checkpointer(tempfile.mkdtemp()), termination_notice=lambda: True, exit_code=None
+)
+time.sleep(0.2)  # The notice is seen: then the platform's SIGTERM, in the grace period.
+os.kill(os.getpid(), signal.SIGTERM)
+steps = list(handler.steps(10, lambda: {"w": jnp.zeros(1)}))
+print("saved", handler.preempted, steps)
+"""
+
+SIGNALS_AFTER_A_LOOP_IN_A_THREAD = """
+import os, signal, tempfile, threading
+import jax.numpy as jnp
+from jaxstrategy import checkpoint
+handler = checkpoint.PreemptionHandler(checkpoint.Checkpointer(tempfile.mkdtemp()))
+loop = threading.Thread(target=lambda: list(handler.steps(3, lambda: {"w": jnp.zeros(1)})))
+loop.start()
+loop.join()
+handler.close()
+print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("the signal was swallowed")
+"""
+
+
+def test_a_signal_after_a_termination_notice_is_the_first_signal_not_the_second():
+    # Before, the notice counted as a first signal: the platform's SIGTERM then ended the process.
+    done = subprocess.run(
+        [sys.executable, "-c", NOTICE_THEN_SIGTERM], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "saved True []" in done.stdout  # Stopped before its first step, and saved.
+
+
+def test_handlers_are_put_back_by_the_main_thread_after_a_loop_in_another():
+    # Before, closing in the loop's thread forgot the previous handlers: SIGTERM was swallowed.
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALS_AFTER_A_LOOP_IN_A_THREAD], capture_output=True, text=True, timeout=120
+    )
+    assert "restored True" in done.stdout and "swallowed" not in done.stdout, done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
 
 
 def test_exit_code_none_ends_the_loop_and_says_so(checkpointer, caplog):

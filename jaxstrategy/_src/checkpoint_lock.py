@@ -238,7 +238,9 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
         return result
     try:
         outcome = json.loads(client.blocking_key_value_get(key, AGREEMENT_TIMEOUT_S * 1000))
-    except Exception as error:
+    except jax.errors.JaxRuntimeError as error:
+        if "DEADLINE_EXCEEDED" not in str(error):
+            raise  # The service is gone, say: JAX's own error says so.
         raise TimeoutError(
             f"{caller}: process {jax.process_index()} waited {AGREEMENT_TIMEOUT_S} s for process 0 "
             f"to lock {directory} for the job, in vain ({error}). Every process of the job must "

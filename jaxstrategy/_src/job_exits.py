@@ -15,10 +15,11 @@ reason (the uncaught exception, or the end of its program), before JAX's shutdow
   that is how a job normally ends, and JAX then shuts down as usual. Processes still running
   after that may be waiting for it in a collective, so it ends at once, which fails their
   collectives ("Connection reset by peer") instead of leaving them waiting.
-- A thread in each process watches for the others' announcements. A failure elsewhere ends this
-  process at once, with a message naming the process that failed; any other end is noted on
-  stderr (naming the process) if this process is still running a moment later, and makes `run`
-  raise from then on.
+- A thread in each process watches for the others' announcements. A failure elsewhere (or a
+  process that had to end while others still ran) ends this process at once, with a message
+  naming that process, and makes `run` raise from then on. A normal end elsewhere does neither:
+  with asynchronous dispatch, a process that never reads its results can reach its end while
+  its last steps still wait for the others, which then complete them.
 
 Every process polls the store twice a second; one small read each time.
 """
@@ -38,9 +39,6 @@ _PREFIX = "jaxstrategy/ended/"
 _POLL_S = 0.5
 # How long a process that failed waits for the others to see its failure before it ends.
 _FAILED_WAIT_S = 10.0
-# How long a process goes on after another's normal end before it says so on stderr: the
-# processes of a job that ends normally end within about this of each other.
-_NOTE_AFTER_S = 2.0
 # How long process 0, which serves the coordination service, outlives the others when it ends
 # them: JAX aborts every process whose service goes away (SIGABRT, with a C++ stack trace).
 _SERVICE_GRACE_S = 2.0
@@ -86,21 +84,11 @@ class _Watch:
             pass
 
     def _watch(self) -> None:
-        noted: set[int] = set()
-        first_seen: dict[int, float] = {}
         while not self.ending.wait(_POLL_S):
             for process, reason in self.others_ended().items():
                 self.ended_elsewhere[process] = reason
                 if reason.startswith(_FATAL):
                     self._end_because_of(process, reason)
-                first_seen.setdefault(process, time.monotonic())
-                if process not in noted and time.monotonic() - first_seen[process] >= _NOTE_AFTER_S:
-                    noted.add(process)
-                    _say(
-                        f"{self.describe(process)} has ended ({reason}) while this process, "
-                        f"{self.describe(self.process_id)}, goes on; a step it runs now cannot "
-                        "complete, and the job will end."
-                    )
 
     def _end_because_of(self, process: int, reason: str) -> None:
         if self.ending.is_set():
@@ -134,6 +122,7 @@ class _Watch:
                 f"ends at once (exit status {EXIT_STATUS}), and so do they."
             )
             self.announce(f"left the job: its program ended while process(es) {names} went on")
+            time.sleep(2 * _POLL_S)  # For their watchers to read why before their steps fail.
             self._exit_now()
 
     def _exit_now(self) -> None:
@@ -175,6 +164,7 @@ def watch_job(client: Any, process_id: int, num_processes: int, heartbeat_s: flo
         assert _watch is not None
         _watch.failure = f"{kind.__name__}: {error}".splitlines()[0][:500]
         previous_hook(kind, error, trace)
+        _watch.ended_elsewhere.update(_watch.others_ended())  # What the last poll may have missed.
         if _watch.ended_elsewhere:
             ended = "; ".join(f"{_watch.describe(p)} {r}" for p, r in sorted(_watch.ended_elsewhere.items()))
             _say(f"before this error, {ended}.")
@@ -187,9 +177,12 @@ def watch_job(client: Any, process_id: int, num_processes: int, heartbeat_s: flo
 
 def raise_if_a_process_ended(caller: str) -> None:
     """Raise a RuntimeError naming the processes of the job that have ended, if any have."""
-    if _watch is None or not _watch.ended_elsewhere:
+    if _watch is None:
         return
-    ended = "; ".join(f"{_watch.describe(p)} {r}" for p, r in sorted(_watch.ended_elsewhere.items()))
+    fatal = {p: r for p, r in _watch.ended_elsewhere.items() if r.startswith(_FATAL)}
+    if not fatal:
+        return
+    ended = "; ".join(f"{_watch.describe(p)} {r}" for p, r in sorted(fatal.items()))
     raise RuntimeError(
         f"{caller}: {ended}. A step needs every process of the job, so it would wait forever. "
         "Every process must make the same calls in the same order; see the other process's log "

@@ -64,7 +64,9 @@ def _is_variable(x: Any) -> bool:
     """`isinstance(x, nnx.Variable)`, by type: NNX's check goes through a metaclass."""
     known = _IS_VARIABLE_TYPE.get(type(x))
     if known is None:
-        known = _IS_VARIABLE_TYPE[type(x)] = isinstance(x, _nnx().Variable)
+        known = isinstance(x, _nnx().Variable)
+        if not isinstance(x, jax.core.Tracer):  # NNX answers for a tracer by its value.
+            _IS_VARIABLE_TYPE[type(x)] = known
     return known
 
 

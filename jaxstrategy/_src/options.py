@@ -54,7 +54,8 @@ class InputOptions:
       experimental_per_replica_buffer_size: how many batches a background thread keeps in flight
         on the device. 2 (double buffering) hides one transfer behind each step; 0 turns the
         thread off and places each batch on demand. None (the default) chooses: 2, except on CPU
-        devices with a source already in memory (a list, tuple or numpy array), where it is 0.
+        devices with a source already in memory (a list, tuple or numpy array) in a job of one
+        process, where it is 0.
         There the copy is CPU work that a thread would run while the step computes, on the same
         cores: 1.16x the step time where the calling thread costs 0.99x that of a bare `jax.jit`
         loop (bench/vs_keras.py, 2 cores). TensorFlow's default is 1.

@@ -69,7 +69,7 @@ class PreemptionHandler:
     variables, the optimizer state and the iterators' positions, and `steps` goes on from the
     saved step, so the run continues exactly where it stopped.
 
-    A second signal while it saves does what the signal did before (SIGINT raises
+    The same signal a second time does what it did before (SIGINT raises
     `KeyboardInterrupt`; SIGTERM ends the process). `close()` (or leaving a `with` block, or the
     end of `steps`) puts the previous signal handlers back. Like `signal.signal`, it must be
     created in the main thread.
@@ -150,6 +150,7 @@ class PreemptionHandler:
         self._preempted = False
         self._cause: str | None = None  # What told this process to stop.
         self._notice = threading.Event()
+        self._signalled: set[int] = set()  # The signals received, each a notice the first time.
         self._closed = threading.Event()
         self._cond = threading.Condition()
         # Several processes: what this process published, the step agreed on, a watcher's failure.
@@ -261,12 +262,14 @@ class PreemptionHandler:
     def close(self) -> None:
         """Put the previous signal handlers back and stop the handler's threads. Safe to call twice."""
         self._closed.set()
-        atexit.unregister(self.close)
         if threading.current_thread() is threading.main_thread():
+            # Only the main thread may set handlers: closed elsewhere, they are put back by a
+            # later close() here, or at exit.
+            atexit.unregister(self.close)
             for signum, previous in self._previous.items():
                 if signal.getsignal(signum) == self._on_signal:
                     signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
+            self._previous.clear()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 # Within a poll: a watcher must not be inside a call when JAX's client shuts down.
@@ -281,8 +284,9 @@ class PreemptionHandler:
     # --- signals and notices -------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
-        if self._notice.is_set():
-            # Told twice: do what the signal did before, such as ending the process now.
+        if signum in self._signalled:
+            # The same signal twice: do what it did before, such as ending the process now. (A
+            # polled notice, or SLURM's early SIGUSR1 then its SIGTERM, is not "twice".)
             previous = self._previous.get(signum) or signal.SIG_DFL
             signal.signal(signum, previous)
             if callable(previous):
@@ -290,7 +294,8 @@ class PreemptionHandler:
             elif previous == signal.SIG_DFL:
                 signal.raise_signal(signum)
             return
-        self._cause = signal.Signals(signum).name
+        self._signalled.add(signum)
+        self._cause = self._cause or signal.Signals(signum).name
         self._notice.set()
 
     def _poll_notice(self, termination_notice: Callable[[], bool]) -> None:

@@ -16,7 +16,7 @@ Lifetime rules, each one tested:
 - every wait has a way out: the producer is woken by `close()`, the consumer too (even in another
   thread), and it re-checks that the producer is still alive;
 - closing takes the same time whatever `buffer_size` is (it drops only what was placed);
-- at interpreter exit, threads still running are stopped and waited for (a second at most each):
+- at interpreter exit, threads still running are stopped and waited for (2 s at most in all):
   one left inside a blocking call of JAX's runtime (the multi-process input agreement's) as Python
   finalizes aborts the process;
 - several threads may share one iterator: a lock around taking an element gives each element to
@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -36,8 +37,8 @@ T = TypeVar("T")
 
 # How often a consumer waiting for the next element checks that the producer thread is alive.
 _LIVENESS_POLL_S = 1.0
-# How long exit waits for each producer thread still running: the waits in a producer's source
-# (the multi-process input agreement's) check `stopped` every second.
+# How long exit waits, in all, for the producer threads still running: the waits in a producer's
+# source (the multi-process input agreement's) check `stopped` every second.
 _EXIT_JOIN_S = 2.0
 
 
@@ -90,9 +91,10 @@ def _stop_producers() -> None:
     channels = list(_CHANNELS)
     for channel in channels:
         channel.stop()
+    deadline = time.monotonic() + _EXIT_JOIN_S
     for channel in channels:
         if channel.producer is not None:
-            channel.producer.join(timeout=_EXIT_JOIN_S)
+            channel.producer.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _produce(source: Iterator[Any], put: Callable[[Any], Any], channel: _Channel) -> None:
