@@ -43,7 +43,7 @@ from jaxstrategy._src.options import InputOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.prefetch import PrefetchIterator
 from jaxstrategy._src.replica_batches import DroppedBatch, Grouping, HostBatch, HostElement, ReplicaBatcher
-from jaxstrategy._src.tree_checks import is_array_like, require_representable
+from jaxstrategy._src.tree_checks import is_array_like, is_wide_host_leaf, require_representable
 from jaxstrategy._src.types import PyTree
 from jaxstrategy._src.variables import private_copy, put_private
 
@@ -121,10 +121,12 @@ def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
         bad = [i for i, leaf in enumerate(host) if leaf is None]
         if bad:
             raise TypeError(_describe_bad_leaves(element, bad))
-        # Raised at the step this element belongs to, as any error of the source.
-        require_representable(
-            jax.tree.unflatten(treedef, host), caller="the distributed dataset", name="element"
-        )
+        # Only 64-bit numpy leaves and Python ints can hold what 32 bits cannot.
+        if any(type(leaf) is int or is_wide_host_leaf(leaf) for leaf in host):
+            # Raised at the step this element belongs to, as any error of the source.
+            require_representable(
+                jax.tree.unflatten(treedef, host), caller="the distributed dataset", name="element"
+            )
         yield HostElement([np.asarray(private_copy(leaf)) for leaf in host], treedef)
 
 

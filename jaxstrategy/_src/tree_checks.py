@@ -89,14 +89,15 @@ def has_wide_host_leaf(tree: PyTree) -> bool:
         type(arg) in _PYTHON_NUMBER_TYPES or isinstance(arg, jax.Array) for arg in tree
     ):
         return False  # Spares the flattening: run's arguments are often arrays and numbers.
-    for leaf in jax.tree.leaves(tree):
-        kind = type(leaf)
-        if kind is np.ndarray:
-            if leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf":
-                return True
-        elif kind in _WIDE_NUMPY_SCALARS:
-            return True
-    return False
+    return any(map(is_wide_host_leaf, jax.tree.leaves(tree)))
+
+
+def is_wide_host_leaf(leaf: Any) -> bool:
+    """Whether `leaf` is a 64-bit numpy integer or float (array or scalar)."""
+    kind = type(leaf)
+    if kind is np.ndarray:
+        return bool(leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf")
+    return kind in _WIDE_NUMPY_SCALARS
 
 
 def _unrepresentable(leaf: Any) -> str | None:
