@@ -521,3 +521,23 @@ def test_a_process_that_ends_ahead_of_the_others_leaves_the_job_to_finish():
     results = run_local_workers(["-c", AHEAD_PROGRAM], devices_per_worker=1, timeout=TIMEOUT_S)
     assert [result.returncode for result in results] == [0, 0], describe_results(results)
     assert "5 " in results[0].stdout, describe_results(results)
+
+
+SHUTS_JAX_DOWN_PROGRAM = """
+import time, jax, jaxstrategy
+strategy = jaxstrategy.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=5)
+total = strategy.run(lambda: jaxstrategy.get_replica_context().all_reduce("sum", 1.0))
+print(float(strategy.reduce("sum", total, axis=None)), flush=True)
+jax.distributed.shutdown()  # As many programs end: the processes wait for each other here.
+time.sleep(1)
+"""
+
+
+def test_a_program_that_shuts_jax_down_itself_ends_normally():
+    # The end announcements need JAX's client; after jax.distributed.shutdown() there is none,
+    # and waiting for announcements that cannot come ended both processes with status 1.
+    started = time.monotonic()
+    results = run_local_workers(["-c", SHUTS_JAX_DOWN_PROGRAM], devices_per_worker=1, timeout=TIMEOUT_S)
+    assert [result.returncode for result in results] == [0, 0], describe_results(results)
+    assert all("4.0" in result.stdout for result in results)
+    assert time.monotonic() - started < 30  # Not the heartbeat timeout, and no 300 s shutdown wait.

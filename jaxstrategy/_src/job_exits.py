@@ -83,8 +83,15 @@ class _Watch:
         except Exception:  # The service is gone: nobody is left to tell.
             pass
 
+    def _client_running(self) -> bool:
+        """Whether JAX's distributed runtime still runs with the client watched here (the
+        program may have called `jax.distributed.shutdown()`)."""
+        from jax._src import distributed  # Where JAX keeps its client, as input_agreement reads it.
+
+        return distributed.global_state.client is self.client
+
     def _watch(self) -> None:
-        while not self.ending.wait(_POLL_S):
+        while not self.ending.wait(_POLL_S) and self._client_running():
             for process, reason in self.others_ended().items():
                 self.ended_elsewhere[process] = reason
                 if reason.startswith(_FATAL):
@@ -107,6 +114,8 @@ class _Watch:
             return
         self.ending.set()
         self.thread.join()
+        if not self._client_running():
+            return  # The program shut JAX down itself: its shutdown waited for every process.
         if self.failure is not None:
             self.announce(f"failed with {self.failure}")
             self._wait_for_others(_FAILED_WAIT_S)
