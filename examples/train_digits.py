@@ -259,7 +259,12 @@ def train(args: argparse.Namespace) -> float:
     ):
         handler.restore(saved())  # A previous run's newest checkpoint, into the live objects and iterator.
         first_step = handler.step
-        if first_step:
+        if first_step >= args.epochs * steps_per_epoch:
+            print(
+                f"all {args.epochs} epochs were trained already (step {first_step} in {checkpoints}); "
+                f"evaluating that. Delete {checkpoints} to train again, or pass a larger --epochs."
+            )
+        elif first_step:
             epoch, batch = divmod(first_step, steps_per_epoch)
             print(
                 f"resumed at epoch {epoch + 1}, batch {batch} of {steps_per_epoch} (step {first_step}), "

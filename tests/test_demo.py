@@ -52,6 +52,11 @@ def test_one_short_epoch_prints_and_writes_what_it_says(tmp_path):
     assert f"resumed at epoch 2, batch 0 of 45 (step 45), from {tmp_path / 'checkpoints'}" in again.stdout
     assert "epoch 2: loss " in again.stdout and "epoch 1:" not in again.stdout
 
+    done_already = _run_demo("--epochs", "2", "--output-dir", str(tmp_path))  # The same command again.
+    assert done_already.returncode == 0, done_already.stderr
+    assert "all 2 epochs were trained already (step 90 in " in done_already.stdout
+    assert "epoch 2: loss " not in done_already.stdout
+
 
 def _losses_and_accuracies(stdout: str) -> list[str]:
     """`epoch N: loss L, test accuracy A` of each epoch line, without the speed."""
