@@ -356,10 +356,9 @@ class Checkpointer:
         plain = _plain_orbax_items(self._directory)
         if plain is None:
             step = self._complete_step(step)
-            read = functools.partial(_restore_step, self._manager, self._directory, step, verify=verify)
             # DistributedIterators in the target are set to their saved positions.
             read = iterator_checkpoint.restoring_positions(
-                read,
+                functools.partial(_restore_step, self._manager, self._directory, step, verify=verify),
                 self._manager,
                 step,
                 f"step {step} in {self._directory}",

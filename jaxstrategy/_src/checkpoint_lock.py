@@ -39,7 +39,7 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.errors import JaxStrategyError
-from jaxstrategy._src.input_agreement import coordination_client
+from jaxstrategy._src.input_agreement import coordination_client, value_when_set
 
 LOCK_FILE = ".jaxstrategy.lock"
 # How long the other processes of a job wait for process 0 to take the lock.
@@ -236,16 +236,14 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
             raise
         client.key_value_set(key, json.dumps({}))
         return result
-    try:
-        outcome = json.loads(client.blocking_key_value_get(key, AGREEMENT_TIMEOUT_S * 1000))
-    except jax.errors.JaxRuntimeError as error:
-        if "DEADLINE_EXCEEDED" not in str(error):
-            raise  # The service is gone, say: JAX's own error says so.
+    reply = value_when_set(client, key, AGREEMENT_TIMEOUT_S * 1000)
+    if reply is None:
         raise TimeoutError(
             f"{caller}: process {jax.process_index()} waited {AGREEMENT_TIMEOUT_S} s for process 0 "
-            f"to lock {directory} for the job, in vain ({error}). Every process of the job must "
-            "save, in the same order."
-        ) from error
+            f"to lock {directory} for the job, in vain. Every process of the job must save, in "
+            "the same order."
+        )
+    outcome = json.loads(reply)
     if outcome:
         raise _error(outcome)
     return None, None

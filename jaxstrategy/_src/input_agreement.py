@@ -57,6 +57,17 @@ def coordination_client() -> Any:
     return distributed.global_state.client
 
 
+def value_when_set(client: Any, key: str, timeout_ms: int) -> str | None:
+    """The value of `key` in the coordination service's store once some process sets it, or None
+    if none does within `timeout_ms`. Any other error of the service (it is gone, say) is raised."""
+    try:
+        return str(client.blocking_key_value_get(key, timeout_ms))
+    except jax.errors.JaxRuntimeError as error:
+        if "DEADLINE_EXCEEDED" not in str(error):
+            raise
+        return None
+
+
 def new_dataset_namespace() -> str:
     """A key prefix for one distributed dataset: the same on every process, because every process
     creates the same datasets in the same order."""
@@ -147,11 +158,9 @@ class StepAgreement:
     def _wait_for_result(self, key: str, step: int) -> str | None:
         deadline = time.monotonic() + self._timeout_s
         while not self._stop.is_set():
-            try:
-                return str(self._client.blocking_key_value_get(f"{key}/result", _POLL_MS))
-            except jax.errors.JaxRuntimeError as error:
-                if "DEADLINE_EXCEEDED" not in str(error):
-                    raise
+            result = value_when_set(self._client, f"{key}/result", _POLL_MS)
+            if result is not None:
+                return result
             if time.monotonic() > deadline:
                 arrived = int(self._client.key_value_try_get(f"{key}/count")) % (self._num_processes + 1)
                 raise TimeoutError(
@@ -246,17 +255,13 @@ def require_same_on_every_process(signature: str, *, what: str, caller: str, tim
     client.key_value_set(f"{namespace}/signature/{me}", signature)
     signatures = {}
     for process in range(n):
-        try:
-            signatures[process] = str(
-                client.blocking_key_value_get(f"{namespace}/signature/{process}", int(timeout_s * 1000))
-            )
-        except jax.errors.JaxRuntimeError as error:
-            if "DEADLINE_EXCEEDED" not in str(error):
-                raise
+        found = value_when_set(client, f"{namespace}/signature/{process}", int(timeout_s * 1000))
+        if found is None:
             raise TimeoutError(
                 f"{caller}: process {me} waited {timeout_s:.0f} s for process {process} to make the "
                 "same call. Every process must make the same calls in the same order."
-            ) from None
+            )
+        signatures[process] = found
     if client.key_value_increment(f"{namespace}/done", 1) == n:
         client.key_value_delete(namespace)
     if len(set(signatures.values())) > 1:

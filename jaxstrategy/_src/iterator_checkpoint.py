@@ -17,7 +17,6 @@ reading the same source, as `experimental_distribute_dataset` has them).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -142,52 +141,43 @@ def restoring_positions(
     *,
     mismatch: type[Exception],
     corrupt: type[Exception],
-) -> functools.partial[PyTree]:
+) -> Callable[[jax.sharding.Sharding, PyTree], PyTree]:
     """`read` (a step's arrays onto a sharding, checked against a target) that also restores the
     iterators of the target to their saved positions, or gives the saved states without one.
 
     The positions are read and matched to the target's iterators before any array is read; the
     iterators are set only once the arrays are read.
     """
-    return functools.partial(_read_with_positions, read, manager, step, where, mismatch, corrupt)
 
+    def read_with_positions(sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+        target, iterators = take_iterators(target)
+        states: dict[str, Any] = {}
+        if (Path(manager.directory) / str(step) / ITEM).is_dir():
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(**{ITEM: IteratorStatesRestore()}))
+                states = dict(restored[ITEM])
+            except Exception as error:
+                raise corrupt(
+                    f"Cannot read the iterator positions of the checkpoint at {where}: {error}"
+                ) from error
+        if target is not None:
+            problems = [
+                f"{path}: the target holds a DistributedIterator, the checkpoint no iterator position"
+                for path in sorted(iterators.keys() - states.keys())
+            ] + [
+                f"{path}: the checkpoint holds an iterator position, the target no DistributedIterator"
+                for path in sorted(states.keys() - iterators.keys())
+            ]
+            if problems:
+                raise mismatch(
+                    f"The target does not match the checkpoint at {where}; nothing was restored:"
+                    f"{bullet_list(problems)}"
+                )
+        restored_tree = read(sharding, target)
+        if target is None:
+            return _fill(restored_tree, states)
+        for path, iterator in iterators.items():
+            iterator.set_state(states[path])
+        return _fill(restored_tree, iterators)
 
-def _read_with_positions(
-    read: Callable[[jax.sharding.Sharding, PyTree], PyTree],
-    manager: ocp.CheckpointManager,
-    step: int,
-    where: str,
-    mismatch: type[Exception],
-    corrupt: type[Exception],
-    sharding: jax.sharding.Sharding,
-    target: PyTree,
-) -> PyTree:
-    target, iterators = take_iterators(target)
-    states: dict[str, Any] = {}
-    if (Path(manager.directory) / str(step) / ITEM).is_dir():
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(**{ITEM: IteratorStatesRestore()}))
-            states = dict(restored[ITEM])
-        except Exception as error:
-            raise corrupt(
-                f"Cannot read the iterator positions of the checkpoint at {where}: {error}"
-            ) from error
-    if target is not None:
-        problems = [
-            f"{path}: the target holds a DistributedIterator, the checkpoint no iterator position"
-            for path in sorted(iterators.keys() - states.keys())
-        ] + [
-            f"{path}: the checkpoint holds an iterator position, the target no DistributedIterator"
-            for path in sorted(states.keys() - iterators.keys())
-        ]
-        if problems:
-            raise mismatch(
-                f"The target does not match the checkpoint at {where}; nothing was restored:"
-                f"{bullet_list(problems)}"
-            )
-    restored_tree = read(sharding, target)
-    if target is None:
-        return _fill(restored_tree, states)
-    for path, iterator in iterators.items():
-        iterator.set_state(states[path])
-    return _fill(restored_tree, iterators)
+    return read_with_positions

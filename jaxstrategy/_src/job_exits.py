@@ -35,6 +35,8 @@ import time
 import types
 from typing import Any
 
+from jaxstrategy._src.input_agreement import coordination_client
+
 _PREFIX = "jaxstrategy/ended/"
 _POLL_S = 0.5
 # How long a process that failed waits for the others to see its failure before it ends.
@@ -86,9 +88,7 @@ class _Watch:
     def _client_running(self) -> bool:
         """Whether JAX's distributed runtime still runs with the client watched here (the
         program may have called `jax.distributed.shutdown()`)."""
-        from jax._src import distributed  # Where JAX keeps its client, as input_agreement reads it.
-
-        return distributed.global_state.client is self.client
+        return coordination_client() is self.client
 
     def _watch(self) -> None:
         while not self.ending.wait(_POLL_S) and self._client_running():

@@ -39,7 +39,7 @@ import jax
 
 from jaxstrategy._src import contexts
 from jaxstrategy._src.checkpoint import Checkpointer
-from jaxstrategy._src.input_agreement import coordination_client
+from jaxstrategy._src.input_agreement import coordination_client, value_when_set
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.types import PyTree
 
@@ -417,11 +417,9 @@ class PreemptionHandler:
     def _wait_for(self, key: str, deadline: float | None = None) -> str | None:
         """The value of `key` once set; None when the handler closes, or at `deadline`."""
         while not self._closed.is_set():
-            try:
-                return str(self._client.blocking_key_value_get(key, _POLL_MS))
-            except jax.errors.JaxRuntimeError as error:
-                if "DEADLINE_EXCEEDED" not in str(error):
-                    raise
+            value = value_when_set(self._client, key, _POLL_MS)
+            if value is not None:
+                return value
             if deadline is not None and time.monotonic() > deadline:
                 return None  # The main thread reports the timeout.
         return None
