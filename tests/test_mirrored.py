@@ -846,3 +846,15 @@ def test_local_results_reduce_and_gather_work_under_an_outer_jit(two):
     for expected, got in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert [np.asarray(v).tolist() for v in jitted[0]] == [[2.0, 4.0], [6.0, 8.0]]
+
+
+def test_values_from_function_works_under_an_outer_jit(two):
+    # TF's values_test builds the values inside a tf.function; the components are tracers here.
+    @jax.jit
+    def gathered():
+        value = two.experimental_distribute_values_from_function(
+            lambda context: jnp.full((2,), context.replica_id_in_sync_group + 1, jnp.float32)
+        )
+        return two.gather(two.run(lambda v: v * 10, args=(value,)), axis=0)
+
+    assert np.asarray(gathered()).tolist() == [10.0, 10.0, 20.0, 20.0]

@@ -503,12 +503,12 @@ def test_an_input_thread_waiting_for_other_processes_at_exit_ends_cleanly():
 
 
 AHEAD_PROGRAM = """
-import time, jaxstrategy
+import time, jax, jax.numpy as jnp, jaxstrategy
 strategy = jaxstrategy.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=20)
-total = lambda x: jaxstrategy.get_replica_context().all_reduce('sum', x)
-w = 0.0
+w = jnp.zeros(())
 for step in range(6):
-    w = strategy.reduce('sum', strategy.run(total, args=(w,)), axis=None)
+    # Replicated in and out: nothing here makes process 1 wait for the chief, so it ends first.
+    w = strategy.reduce("sum", strategy.run(lambda w: w + 1.0, args=(w,)), axis=None)
     if strategy.cluster_resolver.task_id == 0:  # Only the chief reads, and it is slow.
         print(step, float(w), flush=True)
         time.sleep(1)
@@ -520,7 +520,8 @@ def test_a_process_that_ends_ahead_of_the_others_leaves_the_job_to_finish():
     # the chief; the chief must finish them, not take the end for a failure.
     results = run_local_workers(["-c", AHEAD_PROGRAM], devices_per_worker=1, timeout=TIMEOUT_S)
     assert [result.returncode for result in results] == [0, 0], describe_results(results)
-    assert "5 " in results[0].stdout, describe_results(results)
+    # Each step sums w + 1 over the 2 replicas: 2, 6, 14, 30, 62, 126.
+    assert "5 126.0" in results[0].stdout, describe_results(results)
 
 
 SHUTS_JAX_DOWN_PROGRAM = """
