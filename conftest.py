@@ -1,10 +1,18 @@
 """Test set-up shared by tests/ and the doctests in jaxstrategy/.
 
 Four CPU devices are forced before JAX starts, so multi-device behaviour is tested on any
-laptop; strict dtype promotion makes an accidental float64 or int/float mix fail loudly.
+laptop; strict dtype promotion makes an accidental float64 or int/float mix fail loudly. The jobs
+that tests start on 127.0.0.1 get ports that no other test process can be given (see
+`_PortReserver`), so the suite can run in several processes at once (`make test` uses two).
 """
 
+import fcntl
 import os
+import socket
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Unless a launcher chose (the workers of tests/test_multi_worker.py run this suite with 2).
@@ -13,5 +21,121 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS is set)
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def _ephemeral_ports_start() -> int:
+    """The lowest port the kernel picks for `bind(0)` and outgoing connections (Linux's default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+class _PortReserver:
+    """Ports for local jobs that no other process running this suite can be handed.
+
+    `local_workers.free_ports` asks the kernel for ports free at that moment and lets them go; a
+    job's coordinator binds its port seconds later, once its process has imported JAX. In
+    between, a job that another pytest-xdist worker (or another session on this machine) starts
+    could be given the same port, and the two jobs would fail or join each other's processes.
+    So tests take ports below the kernel's ephemeral range, which neither `bind(0)` nor outgoing
+    connections use, each guarded by an exclusive lock on a file that this process holds until
+    it exits, and never hand out the same port twice. Every process tries the same ports in the
+    same order (so a few lock files serve every session), skipping those locked or in use.
+    """
+
+    def __init__(self) -> None:
+        self._directory = Path(tempfile.gettempdir()) / f"jaxstrategy-test-ports-{os.getuid()}"
+        self._mutex = threading.Lock()  # The tf_parity jobs start from a background thread.
+        self._held: list[int] = []  # File descriptors of the locks, kept open.
+        self._candidates = iter(range(20_000, min(_ephemeral_ports_start(), 32_768)))
+
+    def __call__(self, count: int) -> list[int]:
+        with self._mutex:
+            self._directory.mkdir(exist_ok=True)
+            return [self._reserve_one() for _ in range(count)]
+
+    def _reserve_one(self) -> int:
+        for port in self._candidates:
+            descriptor = os.open(self._directory / str(port), os.O_RDONLY | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # Another test process holds it.
+                os.close(descriptor)
+                continue
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:  # Some other program listens there.
+                    os.close(descriptor)
+                    continue
+            self._held.append(descriptor)
+            return port
+        raise RuntimeError(f"no port is left for local jobs below {_ephemeral_ports_start()}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # For the whole session, so that it covers doctests and the tf_parity jobs' thread too.
+    from jaxstrategy._src import local_workers
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(local_workers, "free_ports", _PortReserver())
+    config.add_cleanup(patch.undo)
+
+
+@pytest.hookimpl(tryfirst=True)  # Before -m deselects.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the doctests that start jobs slow; in a pytest-xdist worker, puts slow tests first.
+
+    xdist hands out tests in the order its workers collected them (after the groups of
+    `_Scheduling`), so the slow ones start early and the fast ones fill in after them, and the
+    workers end together. Without xdist the files keep their own order.
+    """
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and any(
+            "run_local_workers(" in example.source for example in getattr(item.dtest, "examples", [])
+        ):
+            item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):
+        # Stable; tests/tf_parity/ keeps its order, in which its jobs overlap its other tests.
+        items.sort(key=lambda item: not item.get_closest_marker("slow") or _in_tf_parity(item.nodeid))
+
+
+def _in_tf_parity(nodeid: str) -> bool:
+    return nodeid.startswith("tests/tf_parity/")
+
+
+# Modules whose slow tests share a module-scoped fixture that runs a job (a two-process job, a
+# demo run): their test functions go to one worker, so that it runs once, not once per worker.
+_MODULES_SHARING_A_JOB = ("tests/test_demo.py", "tests/test_multi_worker.py", "tests/test_preemption.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # A pytest-xdist hook: without xdist, never called.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`pytest -n N` (`make test`): xdist's one-test-at-a-time scheduling, with a few groups.
+
+    A group runs in one worker. xdist's own `xdist_group` marks would do, but pytest 9.2's node
+    ids drop the group xdist appends to them (pytest-dev/pytest-xdist#1386), so the groups are
+    told here, by node id:
+    - the tests of tests/tf_parity/: the worker that runs the first of them runs the directory's
+      two-process jobs (its session fixture), and in one group only one worker does;
+    - the test functions of `_MODULES_SHARING_A_JOB`.
+    Groups go out first, largest first; then single tests, in the order the workers collected.
+    """
+    if config.getvalue("dist") != "load":  # Another --dist was asked for.
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, name = nodeid.partition("::")
+            if _in_tf_parity(path):
+                return "tests/tf_parity"
+            if path in _MODULES_SHARING_A_JOB and "::" not in name:  # Not a class's tests.
+                return path
+            return nodeid
+
+    return _Scheduling(config, log)

@@ -6,6 +6,7 @@ import argparse
 import collections
 import dataclasses
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,67 @@ def count_compiles() -> collections.Counter[str]:
 
 # A timed loop: given a number of calls, make them and return the seconds per call.
 Loop = Callable[[int], float]
+
+# The loops below take the call to time as a function. Pass both variants of a case the same way
+# (each in a lambda, say) so that neither alone pays for an extra Python frame per call.
+
+
+def call_loop(call: Callable[[], Any]) -> Loop:
+    """Time `call()`; the timed region ends with `jax.block_until_ready` on the last output."""
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    return loop
+
+
+def int_loop(call: Callable[[int], Any], wait_every: int = 0) -> Loop:
+    """Time `call(i)` over different Python ints (which trace as weak int32, so a new value does
+    not recompile), waiting for every `wait_every`-th call's output when it is not 0.
+
+    The timed region ends with `jax.block_until_ready` on the last output.
+    """
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for i in range(n):
+            out = call(i % 100)
+            if wait_every and i % wait_every == wait_every - 1:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / n
+
+    return loop
+
+
+def training_loop(step: Callable[[Any, Any], Any], state: Any, batch: Any, wait_every: int = 0) -> Loop:
+    """Time `state, out = step(state, batch)` in a loop, carrying the state between batches as a
+    training loop does, and waiting for every `wait_every`-th step when it is not 0.
+
+    The timed region ends with `jax.block_until_ready` on the last state and output.
+    """
+    carried = {"state": state}
+
+    def loop(n: int) -> float:
+        state = carried["state"]
+        start = time.perf_counter()
+        out = None
+        for i in range(n):
+            state, out = step(state, batch)
+            if wait_every and i % wait_every == wait_every - 1:
+                jax.block_until_ready(out)
+        jax.block_until_ready((state, out))
+        elapsed = time.perf_counter() - start
+        carried["state"] = state
+        return elapsed / n
+
+    return loop
 
 
 @dataclasses.dataclass

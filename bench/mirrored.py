@@ -42,7 +42,6 @@ if not re.search(r"device_count=\d", os.environ.get("XLA_FLAGS", "")):
 
 import collections  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -50,7 +49,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_util import Loop, count_compiles, measure, parse_rounds, print_table  # noqa: E402
+from bench_util import (  # noqa: E402
+    Loop,
+    count_compiles,
+    int_loop,
+    measure,
+    parse_rounds,
+    print_table,
+    training_loop,
+)
 from flax import nnx  # noqa: E402
 from input_pipeline import MLP, random_batch  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -102,41 +109,6 @@ def pmean(tree: Any) -> Any:
 
 def all_reduce_mean(tree: Any) -> Any:
     return jaxstrategy.get_replica_context().all_reduce("mean", tree)
-
-
-def int_loop(call: Callable[[int], Any], wait_every: int = 0) -> Loop:
-    def loop(n: int) -> float:
-        start = time.perf_counter()
-        out = None
-        for i in range(n):
-            out = call(i % 100)
-            if wait_every and i % wait_every == wait_every - 1:
-                jax.block_until_ready(out)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    return loop
-
-
-def training_loop(step: Callable[[Any, Any], Any], state: Any, batch: Any, wait_every: int = 0) -> Loop:
-    """Time `state, out = step(state, batch)` in a loop, carrying the state between batches, and
-    waiting for every `wait_every`-th step when it is not 0."""
-    carried = {"state": state}
-
-    def loop(n: int) -> float:
-        state = carried["state"]
-        start = time.perf_counter()
-        out = None
-        for i in range(n):
-            state, out = step(state, batch)
-            if wait_every and i % wait_every == wait_every - 1:
-                jax.block_until_ready(out)
-        jax.block_until_ready((state, out))
-        elapsed = time.perf_counter() - start
-        carried["state"] = state
-        return elapsed / n
-
-    return loop
 
 
 def dispatch_loops(strategy: jaxstrategy.MirroredStrategy) -> dict[str, tuple[Loop, Loop, int]]:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import collections
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import optax
-from bench_util import Loop, count_compiles, measure, parse_rounds, print_table
+from bench_util import Loop, call_loop, count_compiles, measure, parse_rounds, print_table
 from flax import nnx
 from input_pipeline import MLP, make_workload, random_batch
 
@@ -65,17 +64,6 @@ def new_objects() -> tuple[MLP, nnx.Optimizer]:
     return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
-def timed(call: Callable[[], Any]) -> Loop:
-    def loop(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            out = call()
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    return loop
-
-
 def loops(strategy: jaxstrategy.OneDeviceStrategy, batch: Any) -> dict[str, Loop]:
     # pytree: the input-pipeline benchmark's step, parameters and optax state in and out.
     workload = make_workload()
@@ -99,10 +87,10 @@ def loops(strategy: jaxstrategy.OneDeviceStrategy, batch: Any) -> dict[str, Loop
     cached_model, cached_optimizer = strategy.put(new_objects())
     cached_step = nnx.cached_partial(nnx.jit(objects_step("cached_partial")), cached_model, cached_optimizer)
     return {
-        "pytree": timed(pytree_call),
-        "objects": timed(objects_call),
-        "nnx.jit": timed(lambda: jit_step(jit_model, jit_optimizer, batch)),
-        "cached_partial": timed(lambda: cached_step(batch)),
+        "pytree": call_loop(pytree_call),
+        "objects": call_loop(objects_call),
+        "nnx.jit": call_loop(lambda: jit_step(jit_model, jit_optimizer, batch)),
+        "cached_partial": call_loop(lambda: cached_step(batch)),
     }
 
 

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import collections
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_util import count_compiles, measure, parse_rounds, print_table
+from bench_util import Loop, count_compiles, int_loop, measure, parse_rounds, print_table, training_loop
 
 import jaxstrategy
 
@@ -52,9 +51,6 @@ WARMUP_CALLS = 50
 # Traces per step function, keyed by variant name. Python side effects run only while JAX traces,
 # so each count must stay at 1 for the whole benchmark.
 TRACES: collections.Counter[str] = collections.Counter()
-
-# A timed loop: given a number of calls, make them and return the seconds per call.
-Loop = Callable[[int], float]
 
 
 def make_spec_step(variant: str) -> Callable[[Any], Any]:
@@ -99,91 +95,21 @@ def sgd_inputs(strategy: jaxstrategy.OneDeviceStrategy) -> tuple[dict, dict]:
     return strategy.put(params), strategy.put(batch)
 
 
-# The loops below are written out once per variant, rather than sharing a loop over a `call`
-# argument, so each makes its call exactly as a user would: wrapping `strategy.run` in a lambda
-# would charge run alone for an extra Python frame.
-
-
-def spec_jit_loop(jitted: Callable[[int], Any]) -> Loop:
-    """Time `jitted(i)` over different Python ints, as the specification's loop does."""
-
-    def loop(n: int) -> float:
-        start = time.perf_counter()
-        out = None
-        for i in range(n):
-            out = jitted(i % 100)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    return loop
-
-
-def spec_run_loop(strategy: jaxstrategy.OneDeviceStrategy, step_fn: Callable[[Any], Any]) -> Loop:
-    """Time `strategy.run(step_fn, args=(i,))` over different Python ints."""
-
-    def loop(n: int) -> float:
-        start = time.perf_counter()
-        out = None
-        for i in range(n):
-            out = strategy.run(step_fn, args=(i % 100,))
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / n
-
-    return loop
-
-
-def sgd_jit_loop(jitted: Callable[[dict, dict], Any], params: dict, batch: dict) -> Loop:
-    """Time a training loop of `jitted(params, batch)`, feeding each step's parameters on."""
-    state = {"params": params}  # Carried between batches, as a training loop carries it.
-
-    def loop(n: int) -> float:
-        params = state["params"]
-        start = time.perf_counter()
-        out = None
-        for _ in range(n):
-            out = jitted(params, batch)
-            params = out[0]
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        state["params"] = params
-        return elapsed / n
-
-    return loop
-
-
-def sgd_run_loop(
-    strategy: jaxstrategy.OneDeviceStrategy, step_fn: Callable[[dict, dict], Any], params: dict, batch: dict
-) -> Loop:
-    """Time a training loop of `strategy.run(step_fn, args=(params, batch))`."""
-    state = {"params": params}
-
-    def loop(n: int) -> float:
-        params = state["params"]
-        start = time.perf_counter()
-        out = None
-        for _ in range(n):
-            out = strategy.run(step_fn, args=(params, batch))
-            params = out[0]
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        state["params"] = params
-        return elapsed / n
-
-    return loop
-
-
 def build_loops(strategy: jaxstrategy.OneDeviceStrategy) -> dict[str, tuple[Loop, Loop, int]]:
     """Return each case's (bare jit loop, run loop, calls per batch)."""
     params, batch = sgd_inputs(strategy)
+    spec_jit, spec_run = jax.jit(make_spec_step("spec/jit")), make_spec_step("spec/run")
+    sgd_jit, sgd_run = jax.jit(make_sgd_step("sgd/jit")), make_sgd_step("sgd/run")
+    # Both calls of a case sit in a lambda, so neither pays for an extra Python frame alone.
     return {
         "spec loop (int)": (
-            spec_jit_loop(jax.jit(make_spec_step("spec/jit"))),
-            spec_run_loop(strategy, make_spec_step("spec/run")),
+            int_loop(lambda i: spec_jit(i)),
+            int_loop(lambda i: strategy.run(spec_run, args=(i,))),
             SPEC_CALLS,
         ),
         "sgd step (tree)": (
-            sgd_jit_loop(jax.jit(make_sgd_step("sgd/jit")), params, batch),
-            sgd_run_loop(strategy, make_sgd_step("sgd/run"), params, batch),
+            training_loop(lambda p, b: sgd_jit(p, b), params, batch),
+            training_loop(lambda p, b: strategy.run(sgd_run, args=(p, b)), params, batch),
             SGD_CALLS,
         ),
     }

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Each benchmark is a process of its own.
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

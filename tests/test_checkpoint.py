@@ -447,6 +447,7 @@ _SAVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Starts processes.
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     with subprocess.Popen(
         [sys.executable, "-c", _SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True
@@ -710,6 +711,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Starts processes.
 def test_two_independent_writers_never_lose_a_save(tmp_path):
     start = time.time() + 8  # Past both imports of JAX.
     writers = [
@@ -768,6 +770,7 @@ def _locked(directory: Path, pid: int) -> str:
     )
 
 
+@pytest.mark.slow  # Starts processes.
 def test_a_checkpointer_holds_its_directory_while_a_save_is_in_flight(tmp_path):
     program = "import sys, jax.numpy as jnp; from jaxstrategy import checkpoint; checkpoint.save(sys.argv[1], {'w': jnp.ones(1)})"
     holder = checkpoint.Checkpointer(tmp_path)
@@ -817,6 +820,7 @@ _HOLDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Starts processes.
 @pytest.mark.parametrize("forks", [False, True], ids=["alone", "with-a-forked-child-alive"])
 def test_the_lock_of_a_killed_writer_is_taken_over_with_a_warning(tmp_path, forks):
     with subprocess.Popen(
@@ -868,6 +872,7 @@ _JOB = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Starts processes.
 def test_the_processes_of_one_job_save_into_one_directory(tmp_path):
     results = run_local_workers(["-c", _JOB, str(tmp_path)], timeout=240)
     outcomes = [(result.returncode, result.stdout.splitlines()[-1:]) for result in results]
@@ -906,6 +911,7 @@ _FILE_SIZE_LIMITED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # Starts processes.
 def test_a_write_that_fails_midway_is_one_clear_error_without_tracebacks(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path)],

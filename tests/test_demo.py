@@ -12,6 +12,8 @@ import pytest
 
 from jaxstrategy import checkpoint
 
+pytestmark = pytest.mark.slow  # Each test runs the demo as a process of its own.
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = REPO_ROOT / "examples" / "train_digits.py"
 

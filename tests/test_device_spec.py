@@ -1,11 +1,11 @@
-"""Device names: every form of SEMANTICS.md, and the errors for the rest."""
+"""Device names: every form of docs/semantics.md, and the errors for the rest."""
 
 from __future__ import annotations
 
 import jax
 import pytest
 
-from jaxstrategy._src.device_spec import canonical_name, resolve_device
+from jaxstrategy._src.device_spec import canonical_name, resolve_device, spans_processes
 from jaxstrategy._src.errors import InvalidDeviceError
 
 D0 = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -114,3 +114,13 @@ def test_the_caller_is_named():
 
 def test_canonical_names():
     assert [canonical_name(d) for d in jax.devices("cpu")[:2]] == [D0, D0[:-1] + "1"]
+
+
+class _OtherProcessDevice:
+    process_index = jax.process_index() + 1
+
+
+def test_spans_processes_when_some_device_is_another_processs():
+    assert not spans_processes(jax.devices())
+    assert not spans_processes([])
+    assert spans_processes([*jax.devices(), _OtherProcessDevice()])

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # Each test runs the example as a process of its own.
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPEC_TOUR = REPO_ROOT / "examples" / "spec_tour.py"
 TIMEOUT_S = 120

@@ -13,6 +13,7 @@ from jaxstrategy.testing import run_local_workers
 PRINT_TASK = "import json, os; c = json.loads(os.environ['TF_CONFIG']); print(c['task']['index'], len(c['cluster']['worker']))"
 
 
+@pytest.mark.slow  # Three processes.
 def test_each_worker_gets_its_task_in_one_cluster():
     results = run_local_workers(["-c", PRINT_TASK], num_workers=3, timeout=60)
     assert [result.stdout for result in results] == ["0 3\n", "1 3\n", "2 3\n"]
@@ -31,6 +32,7 @@ def test_the_environment_forces_cpu_devices_and_keeps_other_xla_flags():
     assert (env["JAX_PLATFORMS"], env["PATH"]) == ("cpu", "/bin")
 
 
+@pytest.mark.slow  # Two processes, and a 2 s timeout.
 def test_workers_past_the_timeout_are_killed_and_their_output_shown():
     program = "import time; print('started', flush=True); time.sleep(600)"
     workers = LocalWorkers(["-c", program], 2, devices_per_worker=1, env=None, cwd=None)

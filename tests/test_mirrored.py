@@ -1,5 +1,5 @@
-"""MirroredStrategy: the shared conformance suite on 1, 2 and 4 devices, plus the MS rows of
-tf_semantics.md and the decisions recorded in SEMANTICS.md."""
+"""MirroredStrategy: the shared conformance suite on 1, 2 and 4 devices, plus the rows of
+docs/semantics.md's MirroredStrategy section."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-devices")
-def strategy(request, cpu_devices):
+def mirrored_on_1_2_and_4_devices(request, cpu_devices):
     return MirroredStrategy(cpu_devices[: request.param])
 
 
@@ -48,7 +48,9 @@ def four(cpu_devices):
 
 
 class TestConformance(StrategyConformance):
-    pass
+    @pytest.fixture
+    def strategy_under_test(self, mirrored_on_1_2_and_4_devices):
+        return mirrored_on_1_2_and_4_devices
 
 
 def _per_replica(strategy, values):
@@ -214,7 +216,7 @@ def test_a_compiled_step_never_runs_with_another_input_layout(two):
     whole = np.ones(2, np.float32)
     split = PerReplica(np.array([1.0, 2.0], np.float32))  # On the host: jit would place it anyhow.
     two.run(step, args=(whole,))
-    compiled_for_whole = two._compiled_runs[function_key(step)]
+    compiled_for_whole = two._run_steps._fast[function_key(step)]
     with pytest.raises(LayoutChanged):
         compiled_for_whole(split)
     assert _local(two, two.run(step, args=(split,))) == [2.0, 4.0]  # run takes the slow path
@@ -774,6 +776,7 @@ print("done", float(params[0]) > 0)
 """
 
 
+@pytest.mark.slow  # A fresh process.
 def test_many_steps_in_flight_on_cpu_devices_do_not_hang():
     # XLA's CPU client deadlocks in an all-reduce when dozens of such steps are queued (it aborts
     # the process after 40 s); run waits for every 8th step on CPU devices to prevent it.
@@ -810,6 +813,7 @@ print("done", all(results))
 """
 
 
+@pytest.mark.slow  # A fresh process.
 def test_many_threads_running_steps_on_cpu_devices_do_not_hang():
     # The every-8th-step wait is per strategy, across threads: counted per call only, 8 threads
     # queued enough steps for XLA's CPU all-reduce rendezvous to abort the process (after ~40 s).

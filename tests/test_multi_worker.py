@@ -24,7 +24,8 @@ from conformance import StrategyConformance
 
 import jaxstrategy
 from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, checkpoint
-from jaxstrategy._src.local_workers import LocalWorkers, describe_results, free_ports, worker_environment
+from jaxstrategy._src import local_workers
+from jaxstrategy._src.local_workers import LocalWorkers, describe_results, worker_environment
 from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def strategy():
+def multi_worker_strategy():
     """This process alone; in the workers of test_conformance_passes_in_each_of_two_processes,
     their two-process job."""
     return MultiWorkerMirroredStrategy()
@@ -53,7 +54,9 @@ def tmp_path(request, tmp_path_factory):
 
 
 class TestConformance(StrategyConformance):
-    pass
+    @pytest.fixture
+    def strategy_under_test(self, multi_worker_strategy):
+        return multi_worker_strategy
 
 
 def require_success(results: list[subprocess.CompletedProcess[str]]) -> None:
@@ -64,7 +67,8 @@ def require_success(results: list[subprocess.CompletedProcess[str]]) -> None:
 # --- this process alone --------------------------------------------------------------------
 
 
-def test_without_a_cluster_it_is_this_process_alone(strategy, cpu_devices):
+def test_without_a_cluster_it_is_this_process_alone(multi_worker_strategy, cpu_devices):
+    strategy = multi_worker_strategy
     resolver = strategy.cluster_resolver
     assert (resolver.num_processes, resolver.process_id, resolver.coordinator_address) == (1, 0, None)
     assert (resolver.task_type, resolver.task_id) == (None, None)  # As TensorFlow without TF_CONFIG.
@@ -194,6 +198,7 @@ def test_a_mesh_without_this_process_s_devices_is_an_error(monkeypatch, cpu_devi
 
 
 # --- two processes -------------------------------------------------------------------------
+# Every test below starts processes, so each is marked slow (`make test-fast` skips them).
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +210,7 @@ def scenarios(tmp_path_factory) -> tuple[list[dict], Path]:
     return [json.loads((output / f"process-{i}.json").read_text()) for i in range(2)], output
 
 
+@pytest.mark.slow
 def test_the_spec_tf_config_example_takes_the_worker_branch(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -220,6 +226,7 @@ def test_the_spec_tf_config_example_takes_the_worker_branch(scenarios):
         assert process["num_accelerators"] == {}
 
 
+@pytest.mark.slow
 def test_a_second_strategy_joins_the_running_job(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -231,6 +238,7 @@ def test_a_second_strategy_joins_the_running_job(scenarios):
         )
 
 
+@pytest.mark.slow
 def test_local_results_are_this_process_and_combined_results_the_same_everywhere(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -244,6 +252,7 @@ def test_local_results_are_this_process_and_combined_results_the_same_everywhere
         assert collectives["put"] == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_each_process_keeps_its_replicas_parts_of_the_same_global_batches(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -255,6 +264,7 @@ def test_each_process_keeps_its_replicas_parts_of_the_same_global_batches(scenar
         assert process["split_batches"]["len"] == 3
 
 
+@pytest.mark.slow
 def test_unequal_inputs_end_every_process_at_the_same_step_with_a_warning(scenarios):
     seen, _ = scenarios
     for process in seen:
@@ -267,6 +277,7 @@ def test_unequal_inputs_end_every_process_at_the_same_step_with_a_warning(scenar
     assert "this process leaves 2 batch(es) unread" in long
 
 
+@pytest.mark.slow
 def test_per_replica_pipelines_feed_this_process_s_replicas(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -275,11 +286,13 @@ def test_per_replica_pipelines_feed_this_process_s_replicas(scenarios):
         assert process["per_replica_inputs"]["parts"] == [[[i, i] for i in mine]] * 2
 
 
+@pytest.mark.slow
 def test_python_numbers_across_processes_are_strongly_typed(scenarios):
     seen, _ = scenarios
     assert [process["python_numbers"] for process in seen] == [{"dtype": "float32", "weak_type": False}] * 2
 
 
+@pytest.mark.slow
 def test_datasets_made_in_different_orders_time_out_with_a_clear_error(scenarios):
     seen, _ = scenarios
     for index, process in enumerate(seen):
@@ -291,6 +304,7 @@ def test_datasets_made_in_different_orders_time_out_with_a_clear_error(scenarios
         )
 
 
+@pytest.mark.slow
 def test_parts_that_differ_between_processes_are_an_error_on_every_process(scenarios):
     # Before, gather returned memory nobody wrote ([545193985, 0, 1, 1]) and gloo then aborted.
     seen, _ = scenarios
@@ -312,6 +326,7 @@ def test_parts_that_differ_between_processes_are_an_error_on_every_process(scena
         assert process["shapes_that_differ"]["steps_before"] == 1  # The first step fit.
 
 
+@pytest.mark.slow
 def test_reduce_and_gather_work_under_an_outer_jit_across_processes(scenarios):
     seen, _ = scenarios
     for process in seen:
@@ -326,6 +341,7 @@ def test_reduce_and_gather_work_under_an_outer_jit_across_processes(scenarios):
         assert "call experimental_local_results outside it" in result["local_results_error"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_by_two_processes_restores_in_one(scenarios, cpu_devices):
     seen, output = scenarios
     per_replica = [[float(i)] * 2 for i in range(4)]
@@ -337,6 +353,7 @@ def test_a_checkpoint_saved_by_two_processes_restores_in_one(scenarios, cpu_devi
         assert_tree_on_strategy(restored, strategy)
 
 
+@pytest.mark.slow
 def test_conformance_passes_in_each_of_two_processes(tmp_path):
     env = {**os.environ, SHARED_TMP_ENV: str(tmp_path)}
     command = ["-m", "pytest", f"{Path(__file__).name}::TestConformance", "-q"]
@@ -349,6 +366,7 @@ def test_conformance_passes_in_each_of_two_processes(tmp_path):
     assert int(summaries[0][1]) > 50
 
 
+@pytest.mark.slow
 def test_nnx_optax_training_matches_one_device(tmp_path):
     steps = ["--steps", "8"]
     results = run_local_workers(
@@ -385,6 +403,7 @@ for step in range(100_000):
 """
 
 
+@pytest.mark.slow
 def test_the_survivor_of_a_killed_process_exits_with_an_error_in_bounded_time():
     started = time.monotonic()
     workers = LocalWorkers(["-c", KILLED_PROGRAM], 2, devices_per_worker=1, env=None, cwd=None)
@@ -397,9 +416,11 @@ def test_the_survivor_of_a_killed_process_exits_with_an_error_in_bounded_time():
     assert elapsed < 60
 
 
+@pytest.mark.slow
 def test_an_unreachable_coordinator_is_reported_before_the_process_ends():
     # Task 1 of a job whose task 0 (the coordinator) never starts.
-    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    # (Through the module: the root conftest gives tests ports no other test process can take.)
+    addresses = [f"127.0.0.1:{port}" for port in local_workers.free_ports(2)]
     tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}
     program = "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy(initialization_timeout=2, heartbeat_timeout_seconds=2)"
     started = time.monotonic()
@@ -419,6 +440,7 @@ def test_an_unreachable_coordinator_is_reported_before_the_process_ends():
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_coordinator_port_in_use_is_a_clear_error_not_a_crash():
     # JAX's coordination service crashes the process (SIGSEGV) when its port is taken.
     with socket.socket() as holder:
@@ -455,6 +477,7 @@ for step in range(100_000):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "step, ending, told",
     [
@@ -494,6 +517,7 @@ print(strategy.reduce("sum", next(iterator), axis=None).tolist(), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_an_input_thread_waiting_for_other_processes_at_exit_ends_cleanly():
     # Before, the thread was still inside the coordination service's blocking read as Python
     # finalized, and the process aborted ("terminate called ... exception not rethrown").
@@ -515,6 +539,7 @@ for step in range(6):
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_ends_ahead_of_the_others_leaves_the_job_to_finish():
     # With asynchronous dispatch, process 1 reaches its end while its last steps still wait for
     # the chief; the chief must finish them, not take the end for a failure.
@@ -534,6 +559,7 @@ time.sleep(1)
 """
 
 
+@pytest.mark.slow
 def test_a_program_that_shuts_jax_down_itself_ends_normally():
     # The end announcements need JAX's client; after jax.distributed.shutdown() there is none,
     # and waiting for announcements that cannot come ended both processes with status 1.

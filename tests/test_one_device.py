@@ -1,4 +1,4 @@
-"""OneDeviceStrategy: the shared conformance suite, plus the rows of SEMANTICS.md for one device."""
+"""OneDeviceStrategy: the shared conformance suite, plus the rows of docs/semantics.md for one device."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ from jaxstrategy import OneDeviceStrategy, ReduceOp
 
 
 @pytest.fixture(params=["/cpu:0", "/cpu:1"])
-def strategy(request):
+def one_device_on_cpu0_and_cpu1(request):
     """Both JAX's default device and another one, so that misplacement shows."""
     return OneDeviceStrategy(request.param)
 
 
 class TestConformance(StrategyConformance):
-    pass
+    @pytest.fixture
+    def strategy_under_test(self, one_device_on_cpu0_and_cpu1):
+        return one_device_on_cpu0_and_cpu1
 
 
 # --- construction ------------------------------------------------------------------------------
@@ -243,15 +245,15 @@ def test_replica_context_devices():
     assert seen == [(strategy.device,)]
 
 
-def test_merge_call_is_refused_as_on_many_replicas(strategy):
-    # SEMANTICS: OneDeviceStrategy rejects what MirroredStrategy would reject.
+def test_merge_call_is_refused_as_on_many_replicas(one_device_on_cpu0_and_cpu1):
+    # docs/semantics.md: OneDeviceStrategy rejects what MirroredStrategy would reject.
     called = []
 
     def step(x):
         return jaxstrategy.get_replica_context().merge_call(lambda s, v: called.append(v), args=(x,))
 
     with pytest.raises(NotImplementedError, match=r"merge_call\(\) is not supported.*all_reduce"):
-        strategy.run(step, args=(1,))
+        one_device_on_cpu0_and_cpu1.run(step, args=(1,))
     assert called == []
 
 

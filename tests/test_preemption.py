@@ -110,6 +110,7 @@ def uninterrupted_job(tmp_path_factory):
     return _job_losses(baseline)
 
 
+@pytest.mark.slow  # Three jobs of two processes.
 @pytest.mark.parametrize("killed", [1, -1], ids=["SIGTERM to process 1", "SIGTERM to both"])
 def test_two_processes_stop_at_one_step_save_their_own_positions_and_resume_bit_for_bit(
     tmp_path, uninterrupted_job, killed
@@ -208,6 +209,7 @@ print("the signal was swallowed")
 """
 
 
+@pytest.mark.slow  # A fresh process.
 def test_a_signal_after_a_termination_notice_is_the_first_signal_not_the_second():
     # Before, the notice counted as a first signal: the platform's SIGTERM then ended the process.
     done = subprocess.run(
@@ -217,6 +219,7 @@ def test_a_signal_after_a_termination_notice_is_the_first_signal_not_the_second(
     assert "saved True []" in done.stdout  # Stopped before its first step, and saved.
 
 
+@pytest.mark.slow  # A fresh process.
 def test_handlers_are_put_back_by_the_main_thread_after_a_loop_in_another():
     # Before, closing in the loop's thread forgot the previous handlers: SIGTERM was swallowed.
     done = subprocess.run(

@@ -29,9 +29,9 @@ def test_yields_put_of_every_element_in_order():
 
 
 def test_buffer_size_zero_uses_no_thread():
-    before = threading.active_count()
+    before = set(threading.enumerate())  # Not a count: threads of other tests may end meanwhile.
     iterator = PrefetchIterator(iter([1, 2]), put=str, buffer_size=0)
-    assert iterator.thread is None and threading.active_count() == before
+    assert iterator.thread is None and set(threading.enumerate()) - before == set()
     assert list(iterator) == ["1", "2"]
 
 
@@ -113,15 +113,19 @@ def test_close_ends_the_thread_and_runs_the_generators_finally_block():
 
 
 def test_breaking_out_of_a_loop_ends_the_thread():
+    before = set(_prefetch_threads())
+    started = set()
+
     def loop_and_break():
         for i in PrefetchIterator(iter(range(10**9)), put=lambda x: x, buffer_size=2):
             if i == 3:
+                started.update(set(_prefetch_threads()) - before)  # Alive mid-loop, so seen here.
                 break
 
-    before = len(_prefetch_threads())
     loop_and_break()
     gc.collect()
-    for thread in _prefetch_threads()[before:]:
+    assert len(started) == 1, "the loop's prefetch thread was not seen"
+    for thread in started:
         _wait_until_ended(thread)
 
 

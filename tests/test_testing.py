@@ -73,6 +73,7 @@ def _clean_env():
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
+@pytest.mark.slow  # A fresh process.
 def test_force_cpu_devices_in_a_fresh_process():
     code = "import jax; from jaxstrategy.testing import force_cpu_devices; force_cpu_devices(3); print(len(jax.devices()))"
     done = subprocess.run(
@@ -95,6 +96,7 @@ _USER_TESTS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # A pytest session in a process of its own.
 def test_the_plugin_does_not_load_jax_into_sessions_that_do_not_use_it(tmp_path):
     (tmp_path / "test_plain.py").write_text(
         "import sys\n\ndef test_no_jax():\n    assert 'jax' not in sys.modules\n"
@@ -110,6 +112,7 @@ def test_the_plugin_does_not_load_jax_into_sessions_that_do_not_use_it(tmp_path)
     assert "1 passed" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # A pytest session in a process of its own.
 @pytest.mark.parametrize(("devices", "expected"), [(2, "4 passed"), (1, "3 passed, 1 skipped")])
 def test_the_pytest_plugin_gives_fixtures_without_a_conftest(tmp_path, devices, expected):
     (tmp_path / "test_user.py").write_text(_USER_TESTS)

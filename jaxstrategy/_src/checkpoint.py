@@ -14,19 +14,15 @@ Only a step directory holding the `state` and `prng_keys` items counts as a step
 steps by name alone, so a stray empty `5/` would otherwise become the newest step, to restore
 from and to count against `max_to_keep`. Such directories are skipped with a warning.
 
-Restoring builds an abstract tree of `jax.ShapeDtypeStruct`s carrying the target strategy's
-sharding, so orbax reads every array directly onto its device, committed, whatever strategy
-saved it. Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64,
-complex128) are read exactly onto the host instead, since orbax would cast them silently: integers
-that do not fit the 32-bit type are an OverflowError, and floats come back 32-bit with a warning.
+Restoring reads every array directly onto the target strategy's sharding, whatever strategy
+saved it, as `checkpoint_restore.py` describes; this module finds the step to read.
 
 `save` refuses a tree two of whose leaves would be stored under one name (orbax joins keys with
 '.', the JSON maps with '/', so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice), rather than
 escape keys, which would rename the leaves of existing checkpoints.
 
-A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
-`ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
-restored the same way.
+A directory written by orbax alone (`ocp.StandardCheckpointer`, or an `ocp.CheckpointManager`
+saving one `default` item) is restored the same way.
 
 Nothing silent: a step also holds `checksums`, one checksum of each leaf's bytes, checked on
 restore (`checksums.py`); a save holds the directory's lock until it is on disk, so a second,
@@ -39,15 +35,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxstrategy._src import (
@@ -58,37 +51,28 @@ from jaxstrategy._src import (
     nnx_objects,
     stored_leaves,
 )
+from jaxstrategy._src.arguments import check_int
 from jaxstrategy._src.checkpoint_lock import CheckpointLockedError as CheckpointLockedError
-from jaxstrategy._src.errors import JaxStrategyError, bullet_list, caller_stacklevel
+from jaxstrategy._src.checkpoint_restore import (
+    CHECKSUMS,
+    PRNG_KEYS,
+    STATE,
+    STEP_NAME,
+    ZERO_SIZE_SHAPES,
+    check_step,
+    is_complete,
+    plain_orbax_item,
+    plain_orbax_items,
+    restore_item,
+    restore_step,
+)
+from jaxstrategy._src.checkpoint_restore import CheckpointMismatchError as CheckpointMismatchError
+from jaxstrategy._src.checkpoint_restore import CheckpointNotFoundError as CheckpointNotFoundError
+from jaxstrategy._src.checkpoint_restore import CorruptCheckpointError as CorruptCheckpointError
+from jaxstrategy._src.errors import bullet_list, caller_stacklevel
 from jaxstrategy._src.strategy import Strategy
-from jaxstrategy._src.tree_checks import PYTHON_SCALARS, require_array_leaves
+from jaxstrategy._src.tree_checks import require_array_leaves
 from jaxstrategy._src.types import PyTree
-
-_STATE = "state"
-_PRNG_KEYS = "prng_keys"
-_ZERO_SIZE_SHAPES = "zero_size_shapes"
-_CHECKSUMS = checksums.ITEM
-# What orbax alone writes: the file marking a pytree item, and a one-item CheckpointManager's item.
-_ORBAX_ITEM_METADATA = "_METADATA"
-_ORBAX_DEFAULT_ITEM = "default"
-# The names orbax's standard step format gives steps: 0, 1, 2, ... without zero padding.
-_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
-# How orbax's read errors name the array they failed on: the key in its TensorStore spec.
-_SPEC_PATH = re.compile(r"'path': '([^'/]+)/'")
-# At most this many lines of leaf differences in one message; the rest are counted.
-_MAX_LISTED = 20
-
-
-class CheckpointNotFoundError(JaxStrategyError, FileNotFoundError):
-    """The directory, or the requested step in it, holds no complete checkpoint."""
-
-
-class CorruptCheckpointError(JaxStrategyError, ValueError):
-    """A checkpoint exists but cannot be read: truncated, corrupted, or written by something else."""
-
-
-class CheckpointMismatchError(JaxStrategyError, ValueError):
-    """A `target` tree differs from the checkpoint in structure, shapes or dtypes."""
 
 
 class Checkpointer:
@@ -124,18 +108,10 @@ class Checkpointer:
         max_to_keep: int | None = None,
         save_interval_steps: int = 1,
     ):
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(f"Checkpointer(max_to_keep={max_to_keep!r}): expected None or an int >= 1.")
-        if (
-            isinstance(save_interval_steps, bool)
-            or not isinstance(save_interval_steps, int)
-            or save_interval_steps < 1
-        ):
-            raise ValueError(
-                f"Checkpointer(save_interval_steps={save_interval_steps!r}): expected an int >= 1."
-            )
+        check_int(max_to_keep, f"Checkpointer(max_to_keep={max_to_keep!r})", at_least=1, allow_none=True)
+        check_int(
+            save_interval_steps, f"Checkpointer(save_interval_steps={save_interval_steps!r})", at_least=1
+        )
         self._directory = _directory_path(directory, "Checkpointer()")
         self._writer = checkpoint_writes.DirectoryWriter(self._directory)
         with self._writer.writing(f"Checkpointer(): could not create the directory {self._directory}"):
@@ -176,7 +152,7 @@ class Checkpointer:
                 "or by leaving its `with` block), so it cannot save. Save before closing it, or "
                 f"create a new Checkpointer({str(self._directory)!r})."
             )
-        _check_step(step, "Checkpointer.save()")
+        check_step(step, "Checkpointer.save()")
         found = nnx_objects.find_objects(tree)
         if found is not None:  # Flax NNX objects are saved as their state.
             tree = nnx_objects.with_states(found)
@@ -225,13 +201,13 @@ class Checkpointer:
             )
         state, prng_impls = stored_leaves.split_prng_keys(tree)
         state, zero_size_shapes = stored_leaves.replace_zero_size(state)
-        items = {_STATE: ocp.args.StandardSave(state), _PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
+        items = {STATE: ocp.args.StandardSave(state), PRNG_KEYS: ocp.args.JsonSave(prng_impls)}
         if zero_size_shapes:  # Only then, so checkpoints without any read as they always have.
-            items[_ZERO_SIZE_SHAPES] = ocp.args.JsonSave(zero_size_shapes)
+            items[ZERO_SIZE_SHAPES] = ocp.args.JsonSave(zero_size_shapes)
         if iterator_positions is not None:
             items[iterator_checkpoint.ITEM] = iterator_positions
         if checksums.write_checksums:
-            items[_CHECKSUMS] = checksums.save_args(state)
+            items[CHECKSUMS] = checksums.save_args(state)
         with self._writer.writing(self._write_failure(step)):
             return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
 
@@ -353,12 +329,12 @@ class Checkpointer:
             `jax_enable_x64` is off.
         """
         self.wait()
-        plain = _plain_orbax_items(self._directory)
+        plain = plain_orbax_items(self._directory)
         if plain is None:
             step = self._complete_step(step)
             # DistributedIterators in the target are set to their saved positions.
             read = iterator_checkpoint.restoring_positions(
-                functools.partial(_restore_step, self._manager, self._directory, step, verify=verify),
+                functools.partial(restore_step, self._manager, self._directory, step, verify=verify),
                 self._manager,
                 step,
                 f"step {step} in {self._directory}",
@@ -366,7 +342,7 @@ class Checkpointer:
                 corrupt=CorruptCheckpointError,
             )
         else:
-            read = functools.partial(_restore_item, _plain_orbax_item(plain, step, self._directory))
+            read = functools.partial(restore_item, plain_orbax_item(plain, step, self._directory))
         strategy = contexts.get_strategy() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise TypeError(
@@ -387,13 +363,13 @@ class Checkpointer:
             if not steps:
                 raise CheckpointNotFoundError(_no_steps_message(self._directory))
             step = steps[-1]
-        _check_step(step, "Checkpointer.restore()")
+        check_step(step, "Checkpointer.restore()")
         if step in strays:
             raise CorruptCheckpointError(
                 f"Cannot read the checkpoint at step {step} in {self._directory}: "
                 f"{self._directory / str(step)} holds no complete checkpoint (it is empty, "
                 "unfinished, or written by something else; a step holds the items "
-                f"{[_STATE, _PRNG_KEYS]}). Restore one of the complete steps {steps}, or delete it."
+                f"{[STATE, PRNG_KEYS]}). Restore one of the complete steps {steps}, or delete it."
             )
         if step not in steps:
             raise CheckpointNotFoundError(
@@ -530,10 +506,10 @@ def _manager(
         step_name_format=_CompleteSteps(),
     )
     handlers = {
-        _STATE: ocp.StandardCheckpointHandler(),
-        _PRNG_KEYS: ocp.JsonCheckpointHandler(),
-        _ZERO_SIZE_SHAPES: ocp.JsonCheckpointHandler(),
-        _CHECKSUMS: checksums.ChecksumHandler(),
+        STATE: ocp.StandardCheckpointHandler(),
+        PRNG_KEYS: ocp.JsonCheckpointHandler(),
+        ZERO_SIZE_SHAPES: ocp.JsonCheckpointHandler(),
+        CHECKSUMS: checksums.ChecksumHandler(),
         **iterator_checkpoint.item_handlers(),
     }
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
@@ -553,15 +529,10 @@ class _CompleteSteps:
         return str(self._standard.build_name(step))
 
     def find_all(self, base_path: Any) -> Iterator[Any]:
-        return (meta for meta in self._standard.find_all(base_path) if _is_complete(Path(meta.path)))
+        return (meta for meta in self._standard.find_all(base_path) if is_complete(Path(meta.path)))
 
     def find_step(self, base_path: Any, step: int) -> Any:
         return self._standard.find_step(base_path, step)
-
-
-def _is_complete(step_directory: Path) -> bool:
-    # Orbax renames a step into place once written, so a step with both items is whole.
-    return all((step_directory / item).is_dir() for item in (_STATE, _PRNG_KEYS))
 
 
 def _stray_steps(directory: Path) -> list[int]:
@@ -571,76 +542,8 @@ def _stray_steps(directory: Path) -> list[int]:
     return sorted(
         int(entry.name)
         for entry in directory.iterdir()
-        if _STEP_NAME.fullmatch(entry.name) and not _is_complete(entry)
+        if STEP_NAME.fullmatch(entry.name) and not is_complete(entry)
     )
-
-
-def _plain_orbax_items(directory: Path) -> dict[int | None, Path] | None:
-    """The pytree items of a checkpoint written by orbax alone, by step; None for any other directory.
-
-    `ocp.StandardCheckpointer().save(directory, tree)` makes `directory` itself the item (one
-    checkpoint, under the key None); an `ocp.CheckpointManager` saving one item puts it in each
-    step's `default/`. Orbax marks a pytree item by its `_METADATA` file. A directory holding any
-    jaxstrategy step is not taken for one.
-    """
-    if not directory.is_dir():
-        return None
-    if (directory / _ORBAX_ITEM_METADATA).is_file():
-        return {None: directory}
-    items = {}
-    for entry in directory.iterdir():
-        if not _STEP_NAME.fullmatch(entry.name):
-            continue
-        if _is_complete(entry):
-            return None
-        if (entry / _ORBAX_DEFAULT_ITEM / _ORBAX_ITEM_METADATA).is_file():
-            items[int(entry.name)] = entry / _ORBAX_DEFAULT_ITEM
-    return dict(sorted(items.items())) or None
-
-
-def _plain_orbax_item(items: dict[int | None, Path], step: int | None, directory: Path) -> Path:
-    """The item of `step` (the newest when None) among a plain orbax checkpoint's `items`."""
-    if None in items:
-        if step is not None:
-            raise CheckpointNotFoundError(
-                f"Checkpointer.restore(): {directory} is a single checkpoint written by orbax's "
-                f"StandardCheckpointer, without steps, so it has no step {step!r}. Restore it with "
-                "step=None."
-            )
-        return items[None]
-    steps = list(items)
-    if step is None:
-        step = steps[-1]
-    _check_step(step, "Checkpointer.restore()")
-    if step not in items:
-        raise CheckpointNotFoundError(
-            f"No checkpoint for step {step} in {directory}, written by orbax's CheckpointManager; "
-            f"it holds steps {steps}."
-        )
-    return items[step]
-
-
-def _restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
-    """Restore a pytree item written by orbax alone (no PRNG keys or zero-size arrays in it)."""
-    where = f"{item} (written by orbax alone)"
-    handler = ocp.StandardCheckpointHandler()
-    try:
-        try:
-            saved = handler.metadata(item)
-        except Exception as error:
-            raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
-
-        def read(abstract: PyTree) -> PyTree:
-            return handler.restore(item, args=ocp.args.StandardRestore(abstract))
-
-        return _restore_state(read, saved, {}, {}, sharding, target, where)
-    finally:
-        handler.close()
-
-
-def _check_step(step: Any, caller: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise ValueError(f"{caller}: step must be an int >= 0; got {step!r}.")
 
 
 def _check_savable(tree: PyTree) -> None:
@@ -686,178 +589,3 @@ def _no_steps_message(directory: Path) -> str:
         f"(it contains {entries or 'nothing'}). Save with jaxstrategy.checkpoint first, or pass "
         "the directory you saved to."
     )
-
-
-# --- restore -----------------------------------------------------------------------------------
-
-
-def _restore_step(
-    manager: ocp.CheckpointManager,
-    directory: Path,
-    step: int,
-    sharding: jax.sharding.Sharding,
-    target: PyTree,
-    *,
-    verify: bool = True,
-) -> PyTree:
-    where = f"step {step} in {directory}"
-    try:
-        metadata = manager.item_metadata(step)
-        saved = metadata[_STATE]
-        # Steps saved without zero-size arrays, or before checksums, have no such item.
-        present = metadata.keys()
-        items = {_PRNG_KEYS: ocp.args.JsonRestore()}
-        if _ZERO_SIZE_SHAPES in present:
-            items[_ZERO_SIZE_SHAPES] = ocp.args.JsonRestore()
-        if verify and _CHECKSUMS in present:
-            items[_CHECKSUMS] = checksums.ChecksumRestore()
-        values = manager.restore(step, args=ocp.args.Composite(**items))
-        prng_impls = values[_PRNG_KEYS] or {}
-        shapes = values[_ZERO_SIZE_SHAPES] if _ZERO_SIZE_SHAPES in items else {}
-        zero_size = {path: tuple(shape) for path, shape in shapes.items()}
-        saved_checksums = checksums.read(values[_CHECKSUMS]) if _CHECKSUMS in items else None
-    except Exception as error:
-        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
-
-    def read(abstract: PyTree) -> PyTree:
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
-        return manager.restore(step, args=args)[_STATE]
-
-    return _restore_state(
-        read, saved, prng_impls, zero_size, sharding, target, where, saved_checksums=saved_checksums
-    )
-
-
-def _restore_state(
-    read: Callable[[PyTree], PyTree],
-    saved: PyTree,
-    prng_impls: dict[str, str],
-    zero_size: dict[str, tuple[int, ...]],
-    sharding: jax.sharding.Sharding,
-    target: PyTree,
-    where: str,
-    *,
-    saved_checksums: dict[str, int] | None = None,
-) -> PyTree:
-    """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`.
-
-    With `saved_checksums`, the leaves read are checked against them, as stored (PRNG keys as
-    their data, 64-bit leaves before they are narrowed).
-    """
-    saved_leaves = {}
-    for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
-        name = stored_leaves.path_string(path)
-        saved_leaves[name] = (zero_size.get(name, tuple(meta.shape)), np.dtype(meta.dtype))
-    if target is None:
-        abstract = jax.tree.map(
-            lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding), saved
-        )
-    else:
-        abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
-    abstract = stored_leaves.wide_on_host(stored_leaves.as_stored(abstract, zero_size))
-    try:
-        restored = jax.block_until_ready(
-            read(abstract)
-        )  # Read errors surface here, not in the caller's step.
-    except Exception as error:
-        checkpoint_writes.drop_abandoned_reads(error)
-        raise CorruptCheckpointError(_read_failure(error, saved, where)) from error
-    if saved_checksums:
-        _verify(restored, saved_checksums, where)
-    restored = stored_leaves.narrow_wide(restored, sharding, where)
-    restored = stored_leaves.restore_zero_size(restored, zero_size, sharding)
-    return stored_leaves.wrap_prng_keys(restored, prng_impls)
-
-
-def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
-    """The message for orbax failing to read the arrays: the leaf (when its error names it) and why.
-
-    Orbax wraps tensorstore's error (such as `ZSTD_decompressStream() failed`) in one that spells
-    out the whole TensorStore spec; the leaf is the `'path'` of that spec, orbax's name for it.
-    """
-    cause: BaseException = error
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    names = {
-        ".".join(stored_leaves.path_parts(path)): stored_leaves.path_string(path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(saved)[0]
-    }
-    leaves = {names[key] for key in _SPEC_PATH.findall(str(error)) if key in names}
-    if len(leaves) != 1:
-        return f"Cannot read the checkpoint at {where}: {cause}"
-    return (
-        f"Cannot read the checkpoint at {where}: the data of the leaf {leaves.pop()!r} cannot be "
-        f"read, so its files were damaged or changed after the save ({cause}). Restore another step."
-    )
-
-
-def _verify(restored: PyTree, saved_checksums: dict[str, int], where: str) -> None:
-    damaged = checksums.mismatches(restored, saved_checksums)
-    if damaged:
-        raise CorruptCheckpointError(
-            f"Cannot read the checkpoint at {where}: the bytes read for these leaves differ from "
-            "those saved (their checksums, written with the step, do not match), so its files were "
-            f"damaged or changed after the save:{bullet_list(damaged)}\nRestore another step, or "
-            "restore with verify=False to get the damaged values anyway."
-        )
-
-
-def _abstract_target(
-    target: PyTree,
-    saved: dict[str, tuple[tuple[int, ...], np.dtype]],
-    prng_impls: dict[str, str],
-    where: str,
-    sharding: jax.sharding.Sharding,
-) -> PyTree:
-    problems = []
-    wanted = {}
-    unusable: set[str] = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        name = stored_leaves.path_string(path)
-        if isinstance(leaf, PYTHON_SCALARS):
-            leaf = jnp.asarray(leaf)
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            problems.append(
-                f"{name}: the target leaf is a {type(leaf).__name__}, not an array or ShapeDtypeStruct"
-            )
-            unusable.add(name)  # Reported once, not again as missing from the target.
-            continue
-        shape, dtype = tuple(leaf.shape), leaf.dtype
-        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-            if name not in prng_impls:
-                problems.append(
-                    f"{name}: the target holds PRNG keys, the checkpoint plain {_format(saved.get(name))}"
-                )
-                continue
-            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-            shape, dtype = tuple(data.shape), data.dtype
-        wanted[name] = (shape, np.dtype(dtype))
-    for name in sorted(wanted.keys() - saved.keys()):
-        problems.append(f"{name}: in the target, not in the checkpoint")
-    for name in sorted(saved.keys() - wanted.keys() - unusable):
-        problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
-    for name in sorted(wanted.keys() & saved.keys()):
-        if wanted[name] != saved[name]:
-            problems.append(
-                f"{name}: the checkpoint has {_format(saved[name])}, the target {_format(wanted[name])}"
-            )
-    if problems:
-        listed = problems[:_MAX_LISTED]
-        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise CheckpointMismatchError(
-            f"The target does not match the checkpoint at {where}; nothing was restored:"
-            f"{bullet_list(listed)}{more}"
-        )
-
-    def abstract_leaf(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
-        shape, dtype = wanted[stored_leaves.path_string(path)]
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    return jax.tree_util.tree_map_with_path(abstract_leaf, target)
-
-
-def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
-    if shape_and_dtype is None:
-        return "nothing"
-    shape, dtype = shape_and_dtype
-    return f"{dtype.name}{list(shape)}"

@@ -39,7 +39,8 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.errors import JaxStrategyError
-from jaxstrategy._src.input_agreement import coordination_client, value_when_set
+from jaxstrategy._src.input_agreement import value_when_set
+from jaxstrategy._src.jax_compat import coordination_client
 
 LOCK_FILE = ".jaxstrategy.lock"
 # How long the other processes of a job wait for process 0 to take the lock.

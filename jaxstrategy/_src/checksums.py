@@ -159,7 +159,10 @@ def read(record: Mapping[str, Any]) -> dict[str, int]:
 
 
 class ChecksumHandler(ocp.AsyncCheckpointHandler):  # type: ignore[misc]
-    """Orbax's handler of the `checksums` item: sums the leaves in the background commit."""
+    """Orbax's handler of the `checksums` item: sums the leaves in the background commit.
+
+    `metadata`, `finalize` and `close` are orbax's own, which do nothing.
+    """
 
     async def async_save(self, directory: Any, args: ChecksumSave) -> list[Any]:
         if not args.primary:
@@ -182,15 +185,6 @@ class ChecksumHandler(ocp.AsyncCheckpointHandler):  # type: ignore[misc]
         del args
         record: dict[str, Any] = json.loads((Path(directory) / _FILE).read_text())
         return record
-
-    def metadata(self, directory: Any) -> None:
-        del directory
-
-    def finalize(self, directory: Any) -> None:
-        del directory
-
-    def close(self) -> None:
-        pass
 
 
 async def _write_async(directory: Path, leaves: dict[str, np.ndarray]) -> None:

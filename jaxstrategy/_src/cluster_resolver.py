@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from jaxstrategy._src.arguments import check_int, is_int
+
 # The jobs whose tasks run the training program, in process order: the chief (if any) is
 # process 0 and hosts JAX's coordinator, then the workers in order.
 _TRAINING_JOBS = ("chief", "worker")
@@ -176,8 +178,7 @@ def check_job(resolver: ClusterResolver, *, caller: str) -> None:
     address, num_processes, process_id = facts.values()
     for name in ("num_processes", "process_id"):
         value = facts[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{caller}({name}={value!r}): expected an int.")
+        check_int(value, f"{caller}({name}={value!r})", not_int=TypeError)
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
             f"{caller}(num_processes={num_processes}, process_id={process_id}): expected "
@@ -242,8 +243,9 @@ class TFConfigClusterResolver(ClusterResolver):
     def __init__(self, task_type: str | None = None, task_id: int | None = None):
         if task_type is not None and not isinstance(task_type, str):
             raise TypeError(f"TFConfigClusterResolver(task_type={task_type!r}): expected a str or None.")
-        if task_id is not None and (isinstance(task_id, bool) or not isinstance(task_id, int)):
-            raise TypeError(f"TFConfigClusterResolver(task_id={task_id!r}): expected an int or None.")
+        check_int(
+            task_id, f"TFConfigClusterResolver(task_id={task_id!r})", allow_none=True, not_int=TypeError
+        )
         config = _parse_tf_config(os.environ.get("TF_CONFIG"))
         self._cluster = _parse_cluster(config.get("cluster"))
         task = config.get("task", {})
@@ -325,7 +327,7 @@ def _parse_cluster(cluster: Any) -> dict[str, list[str]]:
 
 def _place_task(cluster: dict[str, list[str]], task_type: Any, task_id: Any) -> tuple[int, int]:
     """This task's process id, and the number of processes it trains with."""
-    if isinstance(task_id, bool) or not isinstance(task_id, int):
+    if not is_int(task_id):
         raise _tf_config_error(f"has task index {task_id!r}, which is not an int")
     if task_type == "evaluator":
         return 0, 1  # An evaluator trains with no one: a job of one process, as in TensorFlow.

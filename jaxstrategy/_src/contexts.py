@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from jaxstrategy._src.arguments import check_int
 from jaxstrategy._src.errors import StrategyContextError
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op, axes_of_leaves, mean_dtype
 from jaxstrategy._src.tree_checks import require_array_leaves
@@ -119,9 +120,7 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
       >>> jaxstrategy.has_strategy()
       False
     """
-    from jaxstrategy._src.strategy import Strategy
-
-    if strategy is not None and not isinstance(strategy, Strategy):
+    if strategy is not None and not isinstance(strategy, _registered().base):
         raise TypeError(
             f"experimental_set_strategy(): expected a jaxstrategy strategy or None; got {strategy!r}."
         )
@@ -198,12 +197,38 @@ def get_replica_context() -> ReplicaContext | None:
     return ReplicaContext(_default_strategy(), replica_id_in_sync_group=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Strategies:
+    base: type  # Abstract: `Strategy`.
+    default: Callable[[], Strategy]
+
+
+_strategies: _Strategies | None = None
+
+
+def register_strategies(base: type, *, default: Callable[[], Strategy]) -> None:
+    """Tell this module what a strategy is (`base`) and how to make the default one.
+
+    The strategy modules import this one, so they register here (`one_device.py` does, on
+    import, and the package imports it) rather than this module importing them.
+    """
+    global _strategies
+    _strategies = _Strategies(base, default)
+    _default_strategy.cache_clear()
+
+
+def _registered() -> _Strategies:
+    if _strategies is None:
+        raise RuntimeError(
+            "jaxstrategy's strategies are not registered: import jaxstrategy (which registers "
+            "them), not jaxstrategy._src.contexts alone."
+        )
+    return _strategies
+
+
 @functools.cache
 def _default_strategy() -> Strategy:
-    # Imported here because one_device depends on this module.
-    from jaxstrategy._src.one_device import OneDeviceStrategy
-
-    return OneDeviceStrategy()
+    return _registered().default()
 
 
 class ReplicaContext:
@@ -409,10 +434,11 @@ class InputContext:
           TypeError: `global_batch_size` is not an int (TensorFlow passes floats through).
           ValueError: `global_batch_size` is not divisible by `num_replicas_in_sync`.
         """
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
-            raise TypeError(
-                f"InputContext.get_per_replica_batch_size({global_batch_size!r}): expected an int."
-            )
+        check_int(
+            global_batch_size,
+            f"InputContext.get_per_replica_batch_size({global_batch_size!r})",
+            not_int=TypeError,
+        )
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(
                 f"The `global_batch_size` {global_batch_size} is not divisible by "
@@ -423,10 +449,30 @@ class InputContext:
 
 
 def _check_count(owner: str, field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}({field}={value!r}): expected an int >= 1.")
+    check_int(value, f"{owner}({field}={value!r})", at_least=1)
 
 
 def _check_index(owner: str, field: str, value: Any, count: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-        raise ValueError(f"{owner}({field}={value!r}): expected an int in [0, {count}).")
+    check_int(value, f"{owner}({field}={value!r})", at_least=0, below=count)
+
+
+class StrategyScope:
+    """What `Strategy.scope()` returns: a context manager that may be entered again, and nested,
+    as TensorFlow's is (`scope = strategy.scope()`, then `with scope:` more than once)."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> Strategy:
+        require_cross_replica_context(
+            self._strategy, "scope()", in_run_hint="Enter the scope outside the function given to run()."
+        )
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(entered(self._strategy))
+            stack.enter_context(self._strategy._default_device_scope())
+            self._entered.append(stack.pop_all())
+        return self._strategy
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._entered.pop().__exit__(*exc_info)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterable
 
 import jax
 
+from jaxstrategy._src.arguments import is_int
 from jaxstrategy._src.errors import InvalidDeviceError, caller_stacklevel
 from jaxstrategy._src.types import DeviceLike
 
@@ -69,7 +71,7 @@ def resolve_device(
         return default_device()
     if isinstance(spec, jax.Device):
         device: jax.Device | None = spec if spec in jax.local_devices(backend=spec.platform) else None
-    elif isinstance(spec, int) and not isinstance(spec, bool):
+    elif is_int(spec):
         local = jax.local_devices()
         device = local[spec] if 0 <= spec < len(local) else None
     elif isinstance(spec, str):
@@ -123,6 +125,20 @@ def canonical_name(device: jax.Device, *, job: str = "localhost", task: int | No
     device_type = _TF_DEVICE_TYPES.get(device.platform, device.platform.upper())
     task = device.process_index if task is None else task
     return f"/job:{job}/replica:0/task:{task}/device:{device_type}:{same_kind.index(device)}"
+
+
+def spans_processes(devices: Iterable[jax.Device]) -> bool:
+    """Whether some of `devices` belong to other processes than this one: a multi-process job.
+
+    Then each process feeds and reads only its own devices' parts, and the processes agree
+    through JAX's coordination service.
+
+    Example:
+      >>> import jax
+      >>> spans_processes(jax.devices('cpu'))
+      False
+    """
+    return any(d.process_index != jax.process_index() for d in devices)
 
 
 def _parse(text: str, *, caller: str, argument: str) -> _ParsedName:

@@ -39,22 +39,13 @@ from typing import Any, TypeVar
 
 import jax
 
+from jaxstrategy._src.jax_compat import coordination_client
 from jaxstrategy._src.replica_batches import DroppedBatch, HostBatch
 
 T = TypeVar("T")
 
 _POLL_MS = 1000
 _dataset_serials = itertools.count()
-
-
-def coordination_client() -> Any:
-    """JAX's client of its coordination service, which runs wherever a mesh spans processes.
-
-    It is private to JAX; orbax and JAX's own `multihost_utils` reach it the same way.
-    """
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def value_when_set(client: Any, key: str, timeout_ms: int) -> str | None:

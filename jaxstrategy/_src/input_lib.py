@@ -1,10 +1,12 @@
 """Distributed datasets: any host iterable of batches, prefetched onto a strategy's device(s).
 
 `DistributedDataset` wraps a source; each `iter()` starts a fresh pass: a `DistributedIterator`
-whose `PrefetchIterator` reads the source in a background thread and places each batch with the
-`put` it is given. Sources are read through `host_passes`, which knows lists, iterables,
+whose `PrefetchIterator` reads the source in a background thread and places each batch with a
+`BatchPlacer` (see `batch_placement.py`). Sources are read through `sources.py`, which knows lists, iterables,
 `tf.data.Dataset` (through `as_numpy_iterator`), torch `DataLoader` and Grain loaders without
-importing any of them.
+importing any of them. `distribute_dataset` and `distribute_datasets_from_function` decide, for
+the strategy methods of those names, which sources a dataset reads and how their elements are
+grouped for the replicas (see `replica_batches.py`).
 
 Each batch travels with its sources' positions after it (see `iterator_state.py`), so that
 `DistributedIterator.get_state` counts what the user took, not what the thread read ahead, and
@@ -14,23 +16,15 @@ Each batch travels with its sources' positions after it (see `iterator_state.py`
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
-import numpy as np
-
 from jaxstrategy._src import contexts
-from jaxstrategy._src.errors import (
-    JaxStrategyError,
-    StrategyContextError,
-    bullet_list,
-    caller_stacklevel,
-    format_path,
-)
+from jaxstrategy._src.batch_placement import BatchPlacer, BatchTracker, PlacedBatch
+from jaxstrategy._src.contexts import InputContext
+from jaxstrategy._src.errors import JaxStrategyError, StrategyContextError, caller_stacklevel
 from jaxstrategy._src.input_agreement import StepAgreement, agreed_steps, new_dataset_namespace
 from jaxstrategy._src.iterator_state import (
     PassPosition,
@@ -39,16 +33,18 @@ from jaxstrategy._src.iterator_state import (
     is_stateful,
     resume_sources,
 )
-from jaxstrategy._src.options import InputOptions
-from jaxstrategy._src.per_replica import PerReplica
+from jaxstrategy._src.options import InputOptions, InputReplicationMode
 from jaxstrategy._src.prefetch import PrefetchIterator
-from jaxstrategy._src.replica_batches import DroppedBatch, Grouping, HostBatch, HostElement, ReplicaBatcher
-from jaxstrategy._src.tree_checks import is_array_like, is_wide_host_leaf, require_representable
+from jaxstrategy._src.replica_batches import DroppedBatch, Grouping, HostBatch, ReplicaBatcher, ReplicaLayout
+from jaxstrategy._src.sources import (
+    cardinality_of,
+    grouped_cardinality,
+    host_elements,
+    host_passes,
+    is_in_memory,
+)
 from jaxstrategy._src.types import PyTree
-from jaxstrategy._src.variables import private_copy, put_private
 
-INFINITE_CARDINALITY = -1
-UNKNOWN_CARDINALITY = -2
 # How long `set_state` waits for the input thread to finish reading a one-shot iterator.
 _ONE_SHOT_JOIN_S = 60.0
 
@@ -57,180 +53,6 @@ class OutOfRangeError(JaxStrategyError):
     """`DistributedIterator.get_next()` was called after the last element."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Signature:
-    """The structure, shapes and dtypes of a batch: what decides whether a step recompiles."""
-
-    treedef: Any
-    shapes_and_dtypes: tuple[tuple[tuple[int, ...], np.dtype], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """A placed batch and its signature (computed in the producer thread, off the hot path)."""
-
-    value: PyTree
-    signature: _Signature
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
-    """How a strategy lays each batch out over its replicas.
-
-    Attributes:
-      sharding: where a batch goes: the device, or the mesh's replica axis for stacked batches.
-      num_replicas: how many replicas share each batch.
-      stacked: whether batches are split per replica, stacked along a new leading axis and
-        delivered as `PerReplica` leaves (False only for one replica: the batch as it is).
-      local_replicas: the ids of this process's replicas, consecutive; None means all. When
-        some replicas belong to other processes, each process places only its own replicas'
-        parts, and the processes' inputs end together (see `input_agreement.py`).
-      input_timeout_s: then, how long a process's input waits for the others' at one step.
-    """
-
-    sharding: jax.sharding.Sharding
-    num_replicas: int = 1
-    stacked: bool = False
-    local_replicas: range | None = None
-    input_timeout_s: float = 3600.0
-
-    @property
-    def local_replica_ids(self) -> range:
-        return range(self.num_replicas) if self.local_replicas is None else self.local_replicas
-
-    @property
-    def is_multi_process(self) -> bool:
-        return len(self.local_replica_ids) < self.num_replicas
-
-
-def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
-    """The elements of `source` as numpy leaves, each copied once.
-
-    Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
-    TensorFlow tensors included). Each is copied (see `variables.private_copy`), so a source that
-    refills one buffer for every batch cannot change batches already delivered; JAX then uses the
-    copy without copying again.
-
-    Raises:
-      TypeError: a leaf cannot be an array; every such leaf is named by its path.
-      OverflowError: a leaf's values do not fit JAX's 32-bit types (x64 off); each is named.
-    """
-    for element in source:
-        leaves, treedef = jax.tree.flatten(element)
-        host = [_to_host_array(leaf) for leaf in leaves]
-        bad = [i for i, leaf in enumerate(host) if leaf is None]
-        if bad:
-            raise TypeError(_describe_bad_leaves(element, bad))
-        # Only 64-bit numpy leaves and Python ints can hold what 32 bits cannot.
-        if any(type(leaf) is int or is_wide_host_leaf(leaf) for leaf in host):
-            # Raised at the step this element belongs to, as any error of the source.
-            require_representable(
-                jax.tree.unflatten(treedef, host), caller="the distributed dataset", name="element"
-            )
-        yield HostElement([np.asarray(private_copy(leaf)) for leaf in host], treedef)
-
-
-class BatchPlacer:
-    """Puts a `HostBatch` on `layout.sharding` (or keeps it on the host when `on_device` is False).
-
-    Stacked leaves (and the mask) are wrapped in `PerReplica`; a mask makes the batch a
-    `(batch, mask)` pair.
-    """
-
-    def __init__(self, layout: ReplicaLayout, *, on_device: bool):
-        self._layout = layout
-        self._on_device = on_device
-
-    def __call__(self, batch: HostBatch | DroppedBatch) -> _Batch | DroppedBatch:
-        if isinstance(batch, DroppedBatch):
-            return batch  # Passed on for the consumer to warn about.
-        leaves = batch.leaves if batch.mask is None else [*batch.leaves, batch.mask]
-        placed: list[Any] = self._place(leaves) if self._on_device else leaves
-        signature = _Signature(batch.treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
-        if self._layout.stacked:
-            placed = [PerReplica(x) for x in placed]
-        value = jax.tree.unflatten(batch.treedef, placed[: len(batch.leaves)])
-        if batch.mask is not None:
-            value = (value, placed[-1])
-        return _Batch(value, signature)
-
-    def _place(self, leaves: list[np.ndarray]) -> list[jax.Array]:
-        if isinstance(self._layout.sharding, jax.sharding.SingleDeviceSharding):
-            return list(_one_device_placer(self._layout.sharding)(*leaves))
-        if not self._layout.is_multi_process:
-            return put_private(leaves, self._layout.sharding)
-        # This process holds its own replicas' rows; JAX assembles the global array from them.
-        n = self._layout.num_replicas
-        return [
-            jax.make_array_from_process_local_data(self._layout.sharding, leaf, (n, *leaf.shape[1:]))
-            for leaf in leaves
-        ]
-
-
-@functools.lru_cache(maxsize=16)
-def _one_device_placer(sharding: jax.sharding.Sharding) -> Callable[..., tuple[jax.Array, ...]]:
-    """Places host leaves on one device: a compiled identity, since `jax.device_put` spends ~100 us
-    of Python on a batch, where a jitted call hands its numpy arguments to JAX's C++ dispatch
-    (measured, a 128x784 float32 batch and its labels: 202 us a batch through the whole pipeline,
-    115 us this way). Its outputs are XLA's own buffers, never views of the host arrays. Over a
-    mesh, `device_put` stays faster: the jitted call would place every input whole."""
-    return jax.jit(lambda *leaves: leaves, out_shardings=sharding)
-
-
-def _to_host_array(leaf: Any) -> Any:
-    """The leaf as an array JAX accepts, or None when it cannot be one."""
-    if is_array_like(leaf):
-        return leaf
-    if hasattr(leaf, "__array__"):
-        array = np.asarray(leaf)
-    elif callable(getattr(leaf, "numpy", None)):
-        array = np.asarray(leaf.numpy())
-    else:
-        return None
-    return array if is_array_like(array) else None
-
-
-def _dtype_of(leaf: Any) -> np.dtype:
-    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-
-
-def _describe_bad_leaves(element: PyTree, positions: list[int]) -> str:
-    paths = jax.tree_util.tree_flatten_with_path(element)[0]
-    lines = [f"{format_path('batch', paths[i][0])} is a {type(paths[i][1]).__name__}" for i in positions]
-    return (
-        "Every leaf of a dataset element must be a numeric array (numpy, jax, or anything with "
-        f"__array__ or .numpy()), but:{bullet_list(lines)}\nDrop those fields before distributing the "
-        "dataset, or encode them as numbers."
-    )
-
-
-def host_passes(dataset: Any, *, caller: str) -> tuple[Callable[[], Iterator[Any]], bool]:
-    """Return a function that starts a new pass over `dataset`, and whether it is one-shot.
-
-    Raises:
-      TypeError: `dataset` is not iterable.
-    """
-    as_numpy = getattr(dataset, "as_numpy_iterator", None)
-    if callable(as_numpy):  # tf.data.Dataset: its elements as numpy, without importing TensorFlow.
-        return as_numpy, False
-    if isinstance(dataset, Mapping):
-        raise TypeError(
-            f"{caller}: the dataset is a {type(dataset).__name__}, whose iteration yields its keys. "
-            "Pass a list of batches (each batch may be a dict), or a generator of them; to slice "
-            "arrays into batches, e.g. [{k: v[i:i + n] for k, v in d.items()} for i in range(0, len, n)]."
-        )
-    if isinstance(dataset, Iterator):  # A generator object or another one-shot iterator.
-        return (lambda: dataset), True
-    if isinstance(dataset, Iterable) or hasattr(dataset, "__getitem__"):
-        return (lambda: iter(dataset)), False
-    raise TypeError(
-        f"{caller}: the dataset must be an iterable of batches (a list, a generator, a tf.data "
-        f"Dataset, a torch DataLoader, ...); got {type(dataset).__name__}."
-    )
-
-
-# Sources whose elements are already in host memory: reading one is a copy, CPU work.
-_IN_MEMORY = (list, tuple, np.ndarray)
 _DOUBLE_BUFFER = 2
 
 
@@ -242,42 +64,65 @@ def _buffer_size(options: InputOptions, layout: ReplicaLayout, sources: list[Any
     on_cpu = all(device.platform == "cpu" for device in layout.sharding.device_set)  # type: ignore[attr-defined]
     # Across processes the thread also runs the processes' agreement on each step (round trips to
     # the coordinator), which it keeps off the step's path.
-    if on_cpu and not layout.is_multi_process and all(isinstance(s, _IN_MEMORY) for s in sources):
+    if on_cpu and not layout.is_multi_process and all(is_in_memory(s) for s in sources):
         return 0
     return _DOUBLE_BUFFER
 
 
-def cardinality_of(dataset: Any) -> int:
-    """The number of elements `dataset` will yield, or TensorFlow's INFINITE/UNKNOWN constants."""
-    tf_cardinality = getattr(dataset, "cardinality", None)
-    if callable(tf_cardinality):
-        return int(tf_cardinality())
-    try:
-        return len(dataset)
-    except TypeError:
-        return UNKNOWN_CARDINALITY
+def input_options(options: InputOptions | None, caller: str, *, per_replica_supported: bool) -> InputOptions:
+    """`options` checked (`InputOptions()` when None); PER_REPLICA only where `per_replica_supported`.
 
-
-def _grouped_cardinality(
-    cardinalities: list[int], num_replicas: int, grouping: Grouping, options: InputOptions
-) -> int:
-    """The number of batches made from sources of these cardinalities, where it is known.
-
-    `num_replicas` is the number of replicas the sources feed: this process's, with `consecutive`.
+    Raises:
+      TypeError: `options` is not an `InputOptions`.
+      NotImplementedError: `InputReplicationMode.PER_REPLICA` where it is not supported.
     """
-    if any(c < 0 for c in cardinalities):
-        infinite = all(c == INFINITE_CARDINALITY for c in cardinalities)
-        return INFINITE_CARDINALITY if infinite else UNKNOWN_CARDINALITY
-    if options.partial_batch == "drop" and num_replicas > 1:
-        # Which batches are dropped depends on their sizes, which are not known before reading.
-        return UNKNOWN_CARDINALITY
-    if grouping == "split":
-        return cardinalities[0]
-    if grouping == "zip":
-        shortest, longest = min(cardinalities), max(cardinalities)
-        return shortest + (longest > shortest)
-    whole, rest = divmod(cardinalities[0], num_replicas)
-    return whole + (rest > 0)
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"{caller}: options must be a jaxstrategy.InputOptions; got {options!r}.")
+    per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+    if per_replica and not per_replica_supported:
+        raise NotImplementedError(
+            f"{caller}: InputReplicationMode.PER_REPLICA is only supported in "
+            "`distribute_datasets_from_function` of a strategy with several replicas "
+            "(MirroredStrategy); use PER_WORKER (the default)."
+        )
+    return options
+
+
+def distribute_dataset(
+    dataset: Any, *, layout: ReplicaLayout, options: InputOptions, caller: str
+) -> DistributedDataset:
+    """What `Strategy.experimental_distribute_dataset` returns: each element of `dataset` a global
+    batch, split over the replicas."""
+    return DistributedDataset([dataset], layout=layout, grouping="split", options=options, caller=caller)
+
+
+def distribute_datasets_from_function(
+    dataset_fn: Callable[[InputContext], Any],
+    *,
+    layout: ReplicaLayout,
+    input_pipeline: tuple[int, int],
+    options: InputOptions,
+    caller: str,
+) -> DistributedDataset:
+    """What `Strategy.distribute_datasets_from_function` returns: `dataset_fn` called once per
+    input pipeline, its elements per-replica batches.
+
+    With `InputReplicationMode.PER_REPLICA` each of this process's replicas is a pipeline and
+    reads its own dataset (`zip`); otherwise the process has one pipeline, `input_pipeline`
+    (`(num_input_pipelines, input_pipeline_id)`), whose consecutive elements go to consecutive
+    replicas (`consecutive`), or whole to a single unstacked replica (`split`).
+    """
+    n = layout.num_replicas
+    if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        input_contexts = [InputContext(n, i, n) for i in layout.local_replica_ids]
+        grouping: Grouping = "zip"
+    else:
+        input_contexts = [InputContext(*input_pipeline, n)]
+        grouping = "consecutive" if layout.stacked else "split"
+    sources = [dataset_fn(context) for context in input_contexts]
+    return DistributedDataset(sources, layout=layout, grouping=grouping, options=options, caller=caller)
 
 
 class DistributedDataset:
@@ -322,8 +167,8 @@ class DistributedDataset:
             if one_shot and not is_stateful(source)
         ]
         fed = layout.num_replicas if grouping == "split" else len(layout.local_replica_ids)
-        self._cardinality = _grouped_cardinality(
-            [cardinality_of(source) for source in sources], fed, grouping, options
+        self._cardinality = grouped_cardinality(
+            [cardinality_of(source) for source in sources], fed, grouping, options.partial_batch
         )
         self._options = options
         self._buffer_size = _buffer_size(options, layout, sources)
@@ -345,7 +190,7 @@ class DistributedDataset:
         # The number the next pass gets, which a restored pass moves on.
         self._next_pass_index = 0
         self._next_pass: DistributedIterator | None = None
-        self._batches = _BatchTracker(layout.sharding if on_device else None)
+        self._batches = BatchTracker(layout.sharding if on_device else None)
 
     def __iter__(self) -> DistributedIterator:
         if self._next_pass is not None:
@@ -445,7 +290,7 @@ class DistributedDataset:
 
 
 # A placed batch (or a dropped one) and its sources' positions once it is taken.
-_Marked = tuple[_Batch | DroppedBatch, tuple[SourceMark, ...]]
+_Marked = tuple[PlacedBatch | DroppedBatch, tuple[SourceMark, ...]]
 
 
 def _marked(
@@ -462,43 +307,7 @@ class _Pass:
     """One pass's prefetching, and the dataset's record of its batches' shapes."""
 
     prefetch: PrefetchIterator[_Marked]
-    batches: _BatchTracker
-
-
-class _BatchTracker:
-    """What the passes over one dataset learn from its batches: the element spec, and whether
-    shapes change mid-stream (worth one warning per dataset)."""
-
-    def __init__(self, sharding: jax.sharding.Sharding | None):
-        self._sharding = sharding
-        self.element_spec: PyTree | None = None
-        self._first: _Signature | None = None
-        self._warned = False
-
-    def record(self, batch: _Batch) -> None:
-        if self.element_spec is None:
-            self._first = batch.signature
-            self.element_spec = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=self._sharding),
-                batch.value,
-            )
-
-    def differs(self, batch: _Batch, *, previous_differed: bool) -> bool:
-        """Record `batch`; warn if the batch before it changed shape; return whether this one did.
-
-        A new shape recompiles the step. A different last batch (a partial one) costs one compile
-        and is normal, so only a changed batch followed by more batches is worth a warning.
-        """
-        self.record(batch)
-        if previous_differed and not self._warned:
-            self._warned = True
-            warnings.warn(
-                "The batches of this distributed dataset change shape or dtype mid-stream "
-                f"(first: {_describe(self._first)}). Each new shape compiles the step function anew. "
-                "Pad or bucket batches to a few fixed shapes.",
-                stacklevel=caller_stacklevel(),
-            )
-        return batch.signature != self._first
+    batches: BatchTracker
 
 
 class _NextInsideRunError(StrategyContextError, ValueError):
@@ -556,7 +365,7 @@ class DistributedIterator:
             )
         return batch.value
 
-    def _take(self) -> _Batch | DroppedBatch:
+    def _take(self) -> PlacedBatch | DroppedBatch:
         """The next item of the pass; the position moves past it."""
         try:
             item, self._marks = next(self._pass.prefetch)
@@ -579,13 +388,13 @@ class DistributedIterator:
         position = self._start.after(self._marks, taken=self._taken) if self._marks else self._start
         return dataclasses.replace(position, end=self._ended)
 
-    def _next_batch(self) -> _Batch:
+    def _next_batch(self) -> PlacedBatch:
         """The next placed batch, after warning (here, in the user's thread) about dropped ones."""
         while isinstance(item := self._take(), DroppedBatch):
             warnings.warn(item.message, stacklevel=caller_stacklevel())
         return item
 
-    def _peek_batch(self) -> _Batch:
+    def _peek_batch(self) -> PlacedBatch:
         while isinstance(item := self._pass.prefetch.peek()[0], DroppedBatch):
             self._take()
             warnings.warn(item.message, stacklevel=caller_stacklevel())
@@ -708,12 +517,6 @@ class DistributedIterator:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _describe(signature: _Signature | None) -> str:
-    if signature is None:
-        return "none"
-    return ", ".join(f"{dtype.name}{list(shape)}" for shape, dtype in signature.shapes_and_dtypes)
 
 
 class OptionalBatch:

@@ -39,7 +39,10 @@ def _file_name(process: int, count: int) -> str:
 
 
 class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
-    """Orbax's handler of the `iterators` item: this process's iterator states, in its own file."""
+    """Orbax's handler of the `iterators` item: this process's iterator states, in its own file.
+
+    `metadata`, `finalize` and `close` are orbax's own, which do nothing.
+    """
 
     def save(self, directory: Any, args: IteratorStatesSave) -> None:
         path = Path(directory) / _file_name(jax.process_index(), jax.process_count())
@@ -63,15 +66,6 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
                 "(or restore without the iterators in the target)."
             )
         return dict(json.loads(contents.pop()))
-
-    def metadata(self, directory: Any) -> None:
-        del directory
-
-    def finalize(self, directory: Any) -> None:
-        del directory
-
-    def close(self) -> None:
-        pass
 
 
 @ocp.args.register_with_handler(IteratorStatesHandler, for_save=True)

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from jaxstrategy._src.arguments import is_int
 from jaxstrategy._src.errors import caller_stacklevel
 
 # A restore whose skipping of consumed elements takes longer than this warns.
@@ -150,7 +151,7 @@ class PassPosition:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _short(value: Any) -> str:

@@ -35,7 +35,7 @@ import time
 import types
 from typing import Any
 
-from jaxstrategy._src.input_agreement import coordination_client
+from jaxstrategy._src.jax_compat import coordination_client
 
 _PREFIX = "jaxstrategy/ended/"
 _POLL_S = 0.5

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from jaxstrategy._src.arguments import check_int
+
 # How much of each process's output a timeout error shows.
 _TAIL_CHARS = 3000
 
@@ -212,8 +214,7 @@ def run_local_workers(
             f"arguments as after `python`, such as ['train.py', '--steps', '5']."
         )
     for name, value in (("num_workers", num_workers), ("devices_per_worker", devices_per_worker)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"run_local_workers({name}={value!r}): expected an int >= 1.")
+        check_int(value, f"run_local_workers({name}={value!r})", at_least=1)
     if not timeout > 0:
         raise ValueError(f"run_local_workers(timeout={timeout!r}): expected a number of seconds > 0.")
     workers = LocalWorkers(

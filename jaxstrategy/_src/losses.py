@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstrategy._src import contexts
+from jaxstrategy._src.arguments import is_int
 from jaxstrategy._src.errors import StrategyContextError
+from jaxstrategy._src.jax_compat import is_tracer
 
 
 def compute_average_loss(
@@ -148,8 +150,8 @@ def _num_replicas_in_sync() -> int:
 
 
 def _check_batch_size(global_batch_size: Any, caller: str) -> None:
-    if isinstance(global_batch_size, bool) or not (
-        isinstance(global_batch_size, int)
+    if not (
+        is_int(global_batch_size)
         or jnp.issubdtype(getattr(global_batch_size, "dtype", np.dtype(object)), jnp.integer)
     ):
         raise TypeError(
@@ -160,5 +162,5 @@ def _check_batch_size(global_batch_size: Any, caller: str) -> None:
         raise ValueError(
             f"{caller}: global_batch_size must be a scalar; got shape {np.shape(global_batch_size)}."
         )
-    if not isinstance(global_batch_size, jax.core.Tracer) and int(global_batch_size) < 0:
+    if not is_tracer(global_batch_size) and int(global_batch_size) < 0:
         raise ValueError(f"{caller}: global_batch_size must be non-negative; got {int(global_batch_size)}.")

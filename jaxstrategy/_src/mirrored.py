@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxstrategy._src import contexts
 from jaxstrategy._src.contexts import ReplicaContext, ValueContext
-from jaxstrategy._src.device_spec import resolve_device
+from jaxstrategy._src.device_spec import resolve_device, spans_processes
 from jaxstrategy._src.errors import (
     InvalidDeviceError,
     bullet_list,
@@ -32,10 +32,12 @@ from jaxstrategy._src.errors import (
     format_argument_path,
     format_path,
 )
+from jaxstrategy._src.in_flight import InFlightLimit
 from jaxstrategy._src.input_agreement import require_same_on_every_process
-from jaxstrategy._src.input_lib import ReplicaLayout
+from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.per_replica import PerReplica, check_replica_count, components, is_per_replica
 from jaxstrategy._src.reduce_op import ReduceOp, axes_of_leaves, mean_dtype
+from jaxstrategy._src.replica_batches import ReplicaLayout
 from jaxstrategy._src.spmd import REPLICA_AXIS, per_replica_program
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.tree_checks import (
@@ -47,7 +49,8 @@ from jaxstrategy._src.tree_checks import (
 from jaxstrategy._src.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.variables import device_put_anywhere, private_copy
 
-# How many `run` steps may be queued on several CPU devices before one is waited for.
+# How many `run` steps may be queued on several CPU devices before one is waited for (see
+# in_flight.py).
 _CPU_STEPS_IN_FLIGHT = 8
 
 
@@ -107,62 +110,6 @@ class MeshStrategy(Strategy):
     def mesh(self) -> jax.sharding.Mesh:
         """The `jax.sharding.Mesh` of the devices, with one axis, `'replica'`."""
         return self._mesh
-
-    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
-        """Combine `value` across replicas, and along `axis` within each replica unless it is None.
-
-        A `PerReplica` leaf combines its components: SUM adds them, MEAN averages them (as the
-        global sum over the global count when `axis` is given; integers give JAX's default float).
-        Any other leaf stands for the same value on every replica: SUM multiplies it by the number
-        of replicas (as TensorFlow does with an axis; without one it raises) and MEAN returns it
-        as it is.
-
-        Args:
-          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
-          value: a pytree of arrays and `PerReplica`s, such as `run`'s result.
-          axis: required: None, or the axis (or axes) of each replica's value to reduce as well.
-
-        Returns:
-          The reduced pytree, replicated on every device (`self.sharding`), committed.
-
-        Raises:
-          ValueError: an unknown reduce op name; an axis out of range for a leaf (each is named).
-          TypeError: `reduce_op` of the wrong type; a leaf that is not an array.
-          StrategyContextError: called inside `run`, or inside another strategy's scope.
-
-        Example:
-          >>> import jax.numpy as jnp, jaxstrategy
-          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
-          >>> losses = strategy.experimental_distribute_values_from_function(
-          ...     lambda context: jnp.float32(context.replica_id_in_sync_group + 1))
-          >>> [strategy.reduce(op, losses, axis=None).tolist() for op in ('sum', 'mean')]
-          [3.0, 1.5]
-        """
-        return super().reduce(reduce_op, value, axis)
-
-    def gather(self, value: PyTree, axis: int) -> PyTree:
-        """Concatenate the replicas' values of `value` along `axis`, in replica order.
-
-        A leaf that is not a `PerReplica` is the same on every replica, so its copies are
-        concatenated.
-
-        Returns:
-          The gathered pytree, replicated on every device, committed.
-
-        Raises:
-          ValueError: a scalar leaf, or `axis` out of a leaf's range.
-          TypeError: a leaf that is not an array, or an `axis` that is not an int.
-          StrategyContextError: called inside `run`, or inside another strategy's scope.
-
-        Example:
-          >>> import jax.numpy as jnp, jaxstrategy
-          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1', '/cpu:2', '/cpu:3'])
-          >>> value = strategy.experimental_distribute_values_from_function(
-          ...     lambda _: jnp.arange(6).reshape(1, 2, 3))
-          >>> [strategy.gather(value, axis).shape for axis in (0, 1, 2)]
-          [(4, 2, 3), (1, 8, 3), (1, 2, 12)]
-        """
-        return super().gather(value, axis)
 
     def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         """Return one tree per replica of this process, in replica order.
@@ -265,13 +212,9 @@ class MeshStrategy(Strategy):
         return None  # The shard_map decides each leaf's sharding.
 
     @property
-    def _run_wait_every(self) -> int | None:
-        # XLA's CPU client deadlocks in a collective's rendezvous when many multi-device programs
-        # are queued (measured: 2 forced devices, a psum per step, 48 steps in flight hung, 32 did
-        # not). Waiting for every 8th step bounds the queue at little cost. Accelerators queue
-        # programs on their own streams and are not throttled.
+    def _run_in_flight_limit(self) -> InFlightLimit | None:
         several_cpus = len(self._devices) > 1 and self._devices[0].platform == "cpu"
-        return _CPU_STEPS_IN_FLIGHT if several_cpus else None
+        return InFlightLimit(_CPU_STEPS_IN_FLIGHT) if several_cpus else None
 
     @property
     def _batch_layout(self) -> ReplicaLayout:
@@ -352,13 +295,13 @@ class MeshStrategy(Strategy):
         # values, not placements, so a component is a slice and a replicated value itself.
         if isinstance(leaf, PerReplica):
             stacked = leaf.stacked
-            if isinstance(stacked, jax.core.Tracer):
+            if is_tracer(stacked):
                 return tuple(stacked[i] for i in self._local_replica_ids)
             if isinstance(stacked, jax.Array):  # This process's components, each on its device.
                 (stacked,) = device_put_anywhere([stacked], self._stacked_sharding)
                 return components(stacked)
             return tuple(stacked[i] for i in self._local_replica_ids)  # Host batches stay on the host.
-        if isinstance(leaf, jax.core.Tracer):
+        if is_tracer(leaf):
             return (leaf,) * len(self._local_devices)
         if isinstance(leaf, jax.Array) and self._on_mesh(leaf) and leaf.sharding.is_fully_replicated:
             by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
@@ -367,7 +310,7 @@ class MeshStrategy(Strategy):
 
     @property
     def _is_multi_process(self) -> bool:
-        return len(self._local_devices) < len(self._devices)
+        return spans_processes(self._devices)
 
     def _stack_components(self, replica_values: list[Any], where: str, caller: str) -> Any:
         for i, v in zip(self._local_replica_ids, replica_values, strict=True):
@@ -402,7 +345,7 @@ class MeshStrategy(Strategy):
                 "components of different shapes; here pad them to one shape and carry a mask of "
                 "the real entries (see the README's MirroredStrategy departures)."
             )
-        if any(isinstance(part, jax.core.Tracer) for part in parts):  # Under an outer jax.jit.
+        if any(is_tracer(part) for part in parts):  # Under an outer jax.jit.
             if self._is_multi_process:
                 raise ValueError(
                     f"{caller}: called under jax.jit on a strategy of several processes. Each "
@@ -507,7 +450,7 @@ def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, 
 
 
 def _is_traced(leaf: Any) -> bool:
-    return isinstance(leaf.stacked if isinstance(leaf, PerReplica) else leaf, jax.core.Tracer)
+    return is_tracer(leaf.stacked if isinstance(leaf, PerReplica) else leaf)
 
 
 def _signature(treedef: Any, leaves: list[Any]) -> str:

@@ -20,12 +20,12 @@ import os
 import socket
 import sys
 import threading
-import warnings
 from typing import Any
 
 import jax
 
-from jaxstrategy._src import job_exits
+from jaxstrategy._src import jax_compat, job_exits
+from jaxstrategy._src.arguments import check_int
 from jaxstrategy._src.cluster_resolver import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -33,11 +33,10 @@ from jaxstrategy._src.cluster_resolver import (
     ThisProcessResolver,
     check_job,
 )
-from jaxstrategy._src.device_spec import canonical_name
-from jaxstrategy._src.input_agreement import coordination_client
-from jaxstrategy._src.input_lib import ReplicaLayout
+from jaxstrategy._src.device_spec import canonical_name, spans_processes
 from jaxstrategy._src.mirrored import MeshStrategy
 from jaxstrategy._src.options import RunOptions
+from jaxstrategy._src.replica_batches import ReplicaLayout
 from jaxstrategy._src.strategy import StrategyExtended
 from jaxstrategy._src.types import PyTree, StepFn
 
@@ -113,10 +112,9 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
             ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
             ("input_timeout_seconds", input_timeout_seconds),
         ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MultiWorkerMirroredStrategy({name}={value!r}): expected an int of seconds.")
-            if value < 1:
-                raise ValueError(f"MultiWorkerMirroredStrategy({name}={value!r}): expected 1 second or more.")
+            label = f"MultiWorkerMirroredStrategy({name}={value!r})"
+            check_int(value, label, not_int=TypeError, expected="an int of seconds")
+            check_int(value, label, at_least=1, expected="1 second or more")
         self._input_timeout_s = float(input_timeout_seconds)
         self._cluster_resolver = join_cluster(
             cluster_resolver, _Timeouts(initialization_timeout, heartbeat_timeout_seconds)
@@ -124,9 +122,12 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         # Process by process, so that each process's replicas are consecutive.
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         super().__init__(devices)
-        if jax.process_count() > 1:
+        if spans_processes(devices):
             job_exits.watch_job(
-                coordination_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_seconds
+                jax_compat.coordination_client(),
+                jax.process_index(),
+                jax.process_count(),
+                heartbeat_timeout_seconds,
             )
 
     @property
@@ -205,38 +206,11 @@ def _default_job(timeouts: _Timeouts) -> ClusterResolver:
     if os.environ.get("TF_CONFIG"):
         return join_cluster(TFConfigClusterResolver(), timeouts)
     if not jax.distributed.is_initialized():
-        detected = _detected_cluster()
+        detected = jax_compat.detected_cluster()
         if detected is None:
             return ThisProcessResolver()
         _start_runtime(None, timeouts, detected=detected)
-    from jax._src import distributed  # Where JAX keeps the coordinator's address.
-
-    return SimpleClusterResolver(
-        distributed.global_state.coordinator_address, jax.process_count(), jax.process_index()
-    )
-
-
-def _detected_cluster() -> str | None:
-    """The name of the cluster environment JAX's `initialize()` would detect, or None.
-
-    JAX's detection is private (`jax._src.clusters`), so a JAX that moved it counts as detecting
-    nothing; TF_CONFIG and the resolvers do not depend on it.
-    """
-    try:
-        from jax._src.clusters import ClusterEnv
-
-        environments = list(ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):
-        return None
-    for environment in environments:
-        with warnings.catch_warnings():
-            # Kubernetes' check warns when its client library is missing; it then detects
-            # nothing, as `jax.distributed.initialize()` would, and every pod trains alone.
-            warnings.simplefilter("ignore")
-            present = not environment.opt_in_only_method and environment.is_env_present()
-        if present:
-            return str(environment.__name__)
-    return None
+    return SimpleClusterResolver(jax_compat.coordinator_address(), jax.process_count(), jax.process_index())
 
 
 def _require_running_job(resolver: ClusterResolver) -> None:
@@ -250,14 +224,6 @@ def _require_running_job(resolver: ClusterResolver) -> None:
         )
 
 
-def _backend_started() -> bool:
-    """Whether JAX's backend runs in this process (it then cannot join a job). JAX's own check,
-    private to it, which `jax.distributed.initialize` makes first thing."""
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
-
-
 def _start_runtime(
     resolver: ClusterResolver | None, timeouts: _Timeouts, *, detected: str | None = None
 ) -> None:
@@ -268,7 +234,7 @@ def _start_runtime(
         where = f"the {type(resolver).__name__}'s job description"
     else:
         job, where = f"the {detected} job JAX detected", f"the {detected} job's settings"
-    if _backend_started():
+    if jax_compat.backends_started():
         raise RuntimeError(
             f"{_CALLER}: cannot join {job}: JAX has already started in this process (something "
             "created an array or asked for devices), and a running JAX cannot join a job of several "

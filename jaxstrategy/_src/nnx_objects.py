@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.errors import bullet_list, format_argument_path
+from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.step_cache import function_key, weak_resolver
 from jaxstrategy._src.types import PyTree
@@ -65,7 +66,7 @@ def _is_variable(x: Any) -> bool:
     known = _IS_VARIABLE_TYPE.get(type(x))
     if known is None:
         known = isinstance(x, _nnx().Variable)
-        if not isinstance(x, jax.core.Tracer):  # NNX answers for a tracer by its value.
+        if not is_tracer(x):  # NNX answers for a tracer by its value.
             _IS_VARIABLE_TYPE[type(x)] = known
     return known
 

@@ -90,65 +90,6 @@ class OneDeviceStrategy(Strategy):
     def __hash__(self) -> int:
         return hash((OneDeviceStrategy, self._device))
 
-    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
-        """Reduce `value` across replicas (a no-op with one) and, unless `axis` is None, along `axis`.
-
-        With `axis=None`, `value` is returned unchanged, whatever it is. With an axis (an int or a
-        tuple of ints), every leaf must be an array with that axis; SUM adds along it, MEAN divides
-        by the count, giving JAX's default float for integers (TensorFlow gives float64).
-
-        Args:
-          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
-          value: a pytree of arrays, such as `run`'s result.
-          axis: required, as in TensorFlow: None, or the axis (or axes) to reduce within a replica.
-
-        Returns:
-          With `axis=None`, `value` itself; else the reduced pytree, committed to the device.
-
-        Raises:
-          ValueError: an unknown reduce op name; an axis out of range for a leaf, or a scalar leaf
-            with an axis (each such leaf is named).
-          TypeError: `reduce_op` of the wrong type; a leaf that is not an array, with an axis.
-          StrategyContextError: called inside `run`, or inside another strategy's scope.
-
-        Example:
-          >>> import jax.numpy as jnp, jaxstrategy
-          >>> strategy = jaxstrategy.OneDeviceStrategy()
-          >>> t = jnp.arange(10)
-          >>> strategy.reduce(jaxstrategy.ReduceOp.SUM, t, axis=None).tolist()
-          [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
-          >>> strategy.reduce('sum', t, axis=0).tolist()
-          45
-        """
-        return super().reduce(reduce_op, value, axis)
-
-    def gather(self, value: PyTree, axis: int) -> PyTree:
-        """Concatenate `value` across replicas along `axis`; with one replica, return it unchanged.
-
-        Every leaf must be an array with an axis `axis`, as it must on many replicas (TensorFlow's
-        OneDeviceStrategy accepts scalars and any axis here, so code that fails on many devices
-        would pass on one).
-
-        Args:
-          value: a pytree of arrays of rank 1 or more.
-          axis: the axis to concatenate along, in [-rank, rank).
-
-        Returns:
-          `value` itself.
-
-        Raises:
-          ValueError: a scalar leaf, or `axis` out of a leaf's range.
-          TypeError: a leaf that is not an array, or an `axis` that is not an int.
-          StrategyContextError: called inside `run`, or inside another strategy's scope.
-
-        Example:
-          >>> import jax.numpy as jnp, jaxstrategy
-          >>> strategy = jaxstrategy.OneDeviceStrategy()
-          >>> strategy.gather(jnp.arange(6).reshape(1, 2, 3), axis=1).shape
-          (1, 2, 3)
-        """
-        return super().gather(value, axis)
-
     def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         """Return `(value,)`: with one replica, its only local result.
 
@@ -207,3 +148,8 @@ class OneDeviceStrategy(Strategy):
     def _gather(self, value: PyTree, axis: int) -> PyTree:
         axes_of_leaves(value, axis, caller="OneDeviceStrategy.gather()", single=True)
         return value
+
+
+# `get_strategy()` outside every scope returns a `OneDeviceStrategy` on JAX's default device.
+# Registered from here because contexts.py, which every strategy module imports, imports none.
+contexts.register_strategies(Strategy, default=OneDeviceStrategy)

@@ -8,16 +8,16 @@ defaults and keyword construction, compared by value. Copy one with a field chan
 from __future__ import annotations
 
 import dataclasses
-import enum
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from jaxstrategy._src.arguments import CaseInsensitiveEnum, as_index, check_int
 
 # What `InputOptions.partial_batch` accepts.
 PARTIAL_BATCH_POLICIES = ("error", "drop", "pad")
 
 
-class InputReplicationMode(enum.Enum):
+class InputReplicationMode(CaseInsensitiveEnum):
     """How input pipelines map to replicas.
 
     `PER_WORKER`: one pipeline per worker process feeds all its replicas (the default).
@@ -32,12 +32,6 @@ class InputReplicationMode(enum.Enum):
 
     PER_WORKER = "PER_WORKER"
     PER_REPLICA = "PER_REPLICA"
-
-    @classmethod
-    def _missing_(cls, value: object) -> InputReplicationMode | None:
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +97,14 @@ class InputOptions:
                 "experimental_fetch_to_device=False, as in TensorFlow."
             )
         size = self.experimental_per_replica_buffer_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise ValueError(
-                f"InputOptions(experimental_per_replica_buffer_size={size!r}): expected an int "
-                ">= 0 (0 turns prefetching off; 2 double-buffers), or None to let the dataset choose."
-            )
+        sizes = "0 turns prefetching off; 2 double-buffers"
+        check_int(
+            size,
+            f"InputOptions(experimental_per_replica_buffer_size={size!r})",
+            at_least=0,
+            allow_none=True,
+            expected=f"an int >= 0 ({sizes}), or None to let the dataset choose",
+        )
         if self.partial_batch not in PARTIAL_BATCH_POLICIES:
             raise ValueError(
                 f"InputOptions(partial_batch={self.partial_batch!r}): expected one of "
@@ -198,9 +195,9 @@ def _check_bool(owner: str, field: str, value: Any, *, allow_none: bool = False)
 def _as_argnums(field: str, value: Any) -> tuple[int, ...]:
     items = (value,) if isinstance(value, int) else value
     try:
-        if isinstance(items, str) or any(isinstance(i, bool) for i in items):
+        if isinstance(items, str):
             raise TypeError
-        numbers = tuple(sorted({operator.index(i) for i in items}))
+        numbers = tuple(sorted({as_index(i) for i in items}))
     except TypeError:
         raise TypeError(f"RunOptions({field}={value!r}): expected an int or a sequence of ints.") from None
     if any(n < 0 for n in numbers):

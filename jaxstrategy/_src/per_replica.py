@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxstrategy._src.errors import bullet_list
+from jaxstrategy._src.jax_compat import is_tracer
 
 
 class PerReplica:
@@ -145,4 +146,4 @@ def check_replica_count(tree: Any, count: int, *, caller: str, describe: Callabl
 
 
 def _is_concrete(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+    return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not is_tracer(x))

@@ -38,8 +38,11 @@ from typing import Any
 import jax
 
 from jaxstrategy._src import contexts
+from jaxstrategy._src.arguments import is_int
 from jaxstrategy._src.checkpoint import Checkpointer
-from jaxstrategy._src.input_agreement import coordination_client, value_when_set
+from jaxstrategy._src.device_spec import spans_processes
+from jaxstrategy._src.input_agreement import value_when_set
+from jaxstrategy._src.jax_compat import coordination_client
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.types import PyTree
 
@@ -132,7 +135,7 @@ class PreemptionHandler:
         if termination_notice is not None and not callable(termination_notice):
             raise TypeError(f"{caller}: termination_notice must be a function returning a bool, or None.")
         valid = set(signal.valid_signals())
-        bad = [s for s in signals if isinstance(s, bool) or not isinstance(s, int) or s not in valid]
+        bad = [s for s in signals if not is_int(s) or s not in valid]
         if isinstance(signals, str | bytes) or bad:
             raise ValueError(
                 f"{caller}: signals must be signal numbers such as signal.SIGTERM; got {signals!r}."
@@ -159,7 +162,7 @@ class PreemptionHandler:
         self._error: BaseException | None = None
         self._requested = False
         self._process, self._num_processes = jax.process_index(), jax.process_count()
-        self._multi_process = any(d.process_index != self._process for d in self._strategy.devices)
+        self._multi_process = spans_processes(self._strategy.devices)
         self._namespace = f"jaxstrategy/preemption/{next(_handler_serials)}"
         self._previous: dict[int, _SignalHandler] = {}
         self._threads: list[threading.Thread] = []

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import enum
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstrategy._src.arguments import CaseInsensitiveEnum, as_index, is_int
 from jaxstrategy._src.errors import bullet_list, format_path
 from jaxstrategy._src.tree_checks import require_array_leaves
 from jaxstrategy._src.types import PyTree
 
 
-class ReduceOp(enum.Enum):
+class ReduceOp(CaseInsensitiveEnum):
     """How values from different replicas (or along an axis) are combined.
 
     `SUM` adds; `MEAN` divides the global sum by the global count, so replicas holding different
@@ -30,12 +29,6 @@ class ReduceOp(enum.Enum):
 
     SUM = "SUM"
     MEAN = "MEAN"
-
-    @classmethod
-    def _missing_(cls, value: object) -> ReduceOp | None:
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        return None
 
 
 def as_reduce_op(op: Any, *, caller: str) -> ReduceOp:
@@ -66,9 +59,7 @@ def normalize_axis(axis: Any, ndim: int, *, caller: str, where: str = "the value
     """
     axes = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
     try:
-        if any(isinstance(a, bool) for a in axes):
-            raise TypeError
-        axes = tuple(operator.index(a) for a in axes)
+        axes = tuple(as_index(a) for a in axes)
     except TypeError:
         raise TypeError(f"{caller}: axis must be an int, a tuple of ints, or None; got {axis!r}.") from None
     if ndim == 0:
@@ -104,7 +95,7 @@ def axes_of_leaves(
       ValueError: `axis` does not fit some leaves; every such leaf is named, in one message.
     """
     require_array_leaves(tree, caller=caller, why=why)
-    if single and (isinstance(axis, bool) or not isinstance(axis, int | np.integer)):
+    if single and not is_int(axis, numpy=True):
         raise TypeError(f"{caller}: axis must be an int; got {axis!r}.")
     axes, misfits = [], []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -16,6 +16,9 @@ last group with fewer elements than replicas) follows `InputOptions.partial_batc
 says what to do, a dropped batch with a warning, or zero padding with a mask of the real
 examples. This runs in the producer thread, so a dropped batch becomes a `DroppedBatch` in the
 stream, for the consumer to warn about where the user's loop reads it.
+
+A strategy describes its replicas to the input as a `ReplicaLayout`: how many, which are this
+process's, whether batches are stacked, and where they go.
 """
 
 from __future__ import annotations
@@ -26,9 +29,42 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
+import jax
 import numpy as np
 
+from jaxstrategy._src.device_spec import spans_processes
+
 Grouping = Literal["split", "consecutive", "zip"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """How a strategy lays each batch out over its replicas.
+
+    Attributes:
+      sharding: where a batch goes: the device, or the mesh's replica axis for stacked batches.
+      num_replicas: how many replicas share each batch.
+      stacked: whether batches are split per replica, stacked along a new leading axis and
+        delivered as `PerReplica` leaves (False only for one replica: the batch as it is).
+      local_replicas: the ids of this process's replicas, consecutive; None means all. When
+        some replicas belong to other processes, each process places only its own replicas'
+        parts, and the processes' inputs end together (see `input_agreement.py`).
+      input_timeout_s: then, how long a process's input waits for the others' at one step.
+    """
+
+    sharding: jax.sharding.Sharding
+    num_replicas: int = 1
+    stacked: bool = False
+    local_replicas: range | None = None
+    input_timeout_s: float = 3600.0
+
+    @property
+    def local_replica_ids(self) -> range:
+        return range(self.num_replicas) if self.local_replicas is None else self.local_replicas
+
+    @property
+    def is_multi_process(self) -> bool:
+        return spans_processes(self.sharding.device_set)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from jaxstrategy._src.errors import bullet_list, format_path
+from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.per_replica import PerReplica, is_per_replica
 from jaxstrategy._src.replication import varying_outputs
 from jaxstrategy._src.types import PyTree
@@ -122,7 +123,7 @@ def _kind(leaf: Any) -> int:
     if isinstance(leaf, PerReplica):
         return _PER_REPLICA
     # Under jax.jit every array argument is a tracer; anything else was made static by the caller.
-    return _WHOLE if isinstance(leaf, jax.core.Tracer) else _STATIC
+    return _WHOLE if is_tracer(leaf) else _STATIC
 
 
 def _rebuild(leaf: Any, kind: int, blocks: Iterator[Any]) -> Any:

@@ -2,7 +2,7 @@
 
 `Strategy.run` must cost about what a bare cached `jax.jit` call costs (measured here: a Python
 loop over the argument leaves alone adds 10%). So the hot path does no per-leaf Python work: a
-function seen before with array arguments is found in `StepCache.fast` and called with `*args`;
+function seen before with array arguments is called by `StepCache.call_fast` with `*args`;
 jit's C++ dispatch flattens the arguments and places them through the pinned `in_shardings`
 (Python scalars and numpy arrays are transferred by jit itself, and arrays committed to another
 device are copied). Keyword arguments go through a second wrapper that takes `(args, kwargs)`,
@@ -23,27 +23,28 @@ numpy arrays and Python scalars are left to jit.
 
 Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
 rejects them before tracing, so the first such call takes the slow path: the arguments are
-flattened, the non-array leaves become one hashable static argument, and that function stays on
-the slow path from then on. Buffer donation always takes the slow path, which also guards against
-donating a buffer that is used twice in one call.
+flattened, the non-array leaves become one hashable static argument (see step_arguments.py), and
+that function stays on the slow path from then on. Buffer donation always takes the slow path,
+which also guards against donating a buffer that is used twice in one call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import types
 import warnings
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, cast
+from typing import Any
 
 import jax
 
-from jaxstrategy._src.errors import bullet_list, caller_stacklevel, format_argument_path
+from jaxstrategy._src.errors import caller_stacklevel
+from jaxstrategy._src.in_flight import InFlightLimit
+from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.options import RunOptions
-from jaxstrategy._src.tree_checks import PYTHON_SCALARS, is_array_like
+from jaxstrategy._src.step_arguments import ArgumentRoles, StaticSpec, has_static_leaves, jit_options
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import device_put_anywhere
 
@@ -53,7 +54,16 @@ _MAX_ENTRIES = 256
 # How many distinct function objects with the same code are compiled before warning.
 _RECOMPILES_BEFORE_WARNING = 2
 
-_STATIC, _KEPT, _DONATED = 0, 1, 2
+_MethodType = types.MethodType
+
+
+class _NotCompiled:
+    def __repr__(self) -> str:
+        return "NOT_COMPILED"
+
+
+# What `StepCache.call_fast` returns for a call it cannot make.
+NOT_COMPILED: Any = _NotCompiled()
 
 
 def function_key(fn: Callable[..., Any]) -> Hashable:
@@ -81,18 +91,13 @@ class StepCache:
         `shard_map` decides it for each leaf).
       program: wraps a step function into what is traced, such as the function run in the
         replica context, or a `shard_map` of it over the replicas.
-      wait_every: when set, wait for every `wait_every`-th call's outputs before returning them,
-        so that no more calls are in flight (see `MirroredStrategy` on CPU devices).
+      in_flight_limit: when set, every call goes through it (see `InFlightLimit`; only
+        `MirroredStrategy` on several CPU devices needs one).
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
 
-    Attributes:
-      fast: maps `function_key(fn)` to the compiled wrapper of each function whose last call had
-        only array-like positional arguments and no options, to be called as `fast[key](*args)`;
-        a `TypeError` from that call means some argument was not an array, and (where
-        `layouts_vary`) a `ValueError` that the arguments may not fit its layout; either way the
-        call belongs to `__call__`.
+    `call_fast` is the hot path; `__call__` takes every call, compiling what it must.
     """
 
     def __init__(
@@ -102,17 +107,14 @@ class StepCache:
         out_shardings: jax.sharding.Sharding | None,
         program: Callable[[StepFn], StepFn],
         caller: str,
-        wait_every: int | None = None,
+        in_flight_limit: InFlightLimit | None = None,
         scalars_are_static: bool = False,
     ):
-        self.fast: dict[Hashable, Callable[..., Any]] = {}
-        self._wait_every = wait_every
-        self._calls_since_wait = 0
-        # With `wait_every`, one thread at a time dispatches and counts, so the bound on programs
-        # in flight holds for the strategy, whatever the number of threads calling `run`: with the
-        # count per call only, 8 threads on 2 CPU devices queued enough programs for XLA's
-        # collective rendezvous to abort the process (measured, jax 0.10.2).
-        self._throttle = threading.RLock()
+        # `function_key(fn)` -> the compiled wrapper of each function whose last call had only
+        # array-like positional arguments and no options, called as `_fast[key](*args)`.
+        self._fast: dict[Hashable, Callable[..., Any]] = {}
+        self._in_flight_limit = in_flight_limit
+        self._dispatch = self._call if in_flight_limit is None else in_flight_limit.wrap(self._call)
         self._in_shardings = in_shardings
         self._out_shardings = out_shardings
         self._settle_arrays = not isinstance(in_shardings, jax.sharding.SingleDeviceSharding)
@@ -124,13 +126,33 @@ class StepCache:
         self._entries: dict[Hashable, _CompiledStep] = {}
         self._compiles_per_code: dict[types.CodeType, int] = {}
 
+    def call_fast(self, fn: StepFn, args: tuple[Any, ...]) -> PyTree:
+        """`fn(*args)` through the wrapper compiled at an earlier call, or `NOT_COMPILED`, in
+        which case the call belongs to `__call__`.
+
+        It is `NOT_COMPILED` when `fn` has no fast wrapper yet, when jit rejects an argument that
+        is not an array (a `TypeError` before tracing), or, where `layouts_vary`, when the
+        arguments may not fit the wrapper's layout (a `ValueError`). Errors from `fn` itself are
+        raised: a `TypeError` with only array arguments here, a `ValueError` from `__call__`.
+        """
+        # function_key(fn), inline: this runs on every step.
+        compiled = self._fast.get((id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn))
+        if compiled is None:
+            return NOT_COMPILED
+        try:
+            return compiled(*args)
+        except TypeError:
+            if not has_static_leaves(args):
+                raise
+        except ValueError:
+            if self._layout_of is None:
+                raise
+        return NOT_COMPILED
+
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
     ) -> PyTree:
-        if self._wait_every is None:
-            return self._call(fn, args, kwargs, options)
-        with self._throttle:
-            return self._call(fn, args, kwargs, options)
+        return self._dispatch(fn, args, kwargs, options)
 
     def _call(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
@@ -147,7 +169,7 @@ class StepCache:
         if entry.slow_path:
             if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
                 args, kwargs = layout.settle((args, kwargs))
-            return self._waited(entry.call_partitioned(layout, args, kwargs))
+            return entry.call_partitioned(layout, args, kwargs)
         if kwargs:
             compiled, new = entry.jitted("packed", layout.inputs, layout)
         else:
@@ -159,14 +181,15 @@ class StepCache:
         except TypeError:
             # jit rejects non-array arguments before tracing; a TypeError with only array leaves
             # came from the function itself.
-            if not _has_static_leaves((args, kwargs)):
+            if not has_static_leaves((args, kwargs)):
                 raise
             entry.slow_path = True
-            self.fast.pop(key, None)
-            return self._waited(entry.call_partitioned(layout, args, kwargs))
+            self._fast.pop(key, None)
+            return entry.call_partitioned(layout, args, kwargs)
         if not kwargs:  # Jit options never get here: they always take the slow path.
-            self.fast[key] = compiled if self._wait_every is None else self._waiting(compiled)
-        return self._waited(result)
+            limit = self._in_flight_limit
+            self._fast[key] = compiled if limit is None else limit.wrap(compiled)
+        return result
 
     @property
     def layouts_vary(self) -> bool:
@@ -177,24 +200,6 @@ class StepCache:
         if self._layout_of is None:
             return _Layout(self._in_shardings, self._out_shardings)
         return _Layout(self._layout_of(args_and_kwargs), self._out_shardings)
-
-    def _waited(self, outputs: PyTree) -> PyTree:
-        """`outputs`, after waiting for them if this is the `wait_every`-th call since the last wait."""
-        if self._wait_every is not None:
-            self._calls_since_wait += 1
-            if self._calls_since_wait >= self._wait_every:
-                self._calls_since_wait = 0
-                jax.block_until_ready(outputs)
-        return outputs
-
-    def _waiting(self, compiled: Callable[..., PyTree]) -> Callable[..., PyTree]:
-        waited, throttle = self._waited, self._throttle
-
-        def call_and_maybe_wait(*args: Any) -> PyTree:
-            with throttle:
-                return waited(compiled(*args))
-
-        return call_and_maybe_wait
 
     def _add(
         self, key: Hashable, fn: StepFn, options: RunOptions | None, *, count_towards_warning: bool
@@ -218,7 +223,7 @@ class StepCache:
 
     def _evict(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
-        self.fast.pop(key, None)
+        self._fast.pop(key, None)
         if entry is not None and entry.finalizer is not None:
             entry.finalizer.detach()
 
@@ -298,14 +303,9 @@ class _CompiledStep:
     ):
         self.finalizer: weakref.finalize[Any, Any] | None = None
         self.strong_reference: Any = None
-        self._caller = caller
-        # RunOptions normalises these to sorted tuples.
-        options = options or RunOptions()
-        self._donate_argnums = cast(tuple[int, ...], options.donate_argnums)
-        self._donate_argnames = cast(tuple[str, ...], options.donate_argnames)
-        self._static_argnums = cast(tuple[int, ...], options.static_argnums)
-        self._static_argnames = cast(tuple[str, ...], options.static_argnames)
-        self.scalars_are_static = scalars_are_static
+        self._roles = ArgumentRoles.from_options(
+            options, scalars_are_static=scalars_are_static, caller=caller
+        )
         # Jit options and static scalars need the argument leaves sorted in Python on every call.
         self.slow_path = any(jit_options(options)) or scalars_are_static
         resolve = weak_resolver(fn)
@@ -316,7 +316,7 @@ class _CompiledStep:
         def call_packed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
             return program(resolve())(*args, **kwargs)
 
-        def call_with_static(spec: _StaticSpec, donated: list[Any], kept: list[Any]) -> PyTree:
+        def call_with_static(spec: StaticSpec, donated: list[Any], kept: list[Any]) -> PyTree:
             args, kwargs = spec.rebuild(donated, kept)
             return program(resolve())(*args, **kwargs)
 
@@ -346,114 +346,23 @@ class _CompiledStep:
         if layout.outputs is not None:
             pinned["out_shardings"] = layout.outputs
         if kind == "partitioned":
-            donate = self._donate_argnums or self._donate_argnames
-            pinned.update(static_argnums=0, donate_argnums=1 if donate else ())
+            pinned.update(static_argnums=0, donate_argnums=1 if self._roles.donates else ())
         elif self._layout_of is not None:  # Fast-path jits check their layout when they trace.
             wrapper = _checking_layout(wrapper, self._layout_of, layout, packed=kind == "packed")
         jitted = self._jitted[key] = jax.jit(wrapper, **pinned)
         return jitted, True
 
     def call_partitioned(self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-        spec, donated, kept, (donated_shardings, kept_shardings) = self._partition(layout, args, kwargs)
-        in_shardings = layout.for_partitioned(donated_shardings, kept_shardings)
+        leaf_shardings = layout.for_leaves(len(jax.tree.leaves((args, kwargs))))
+        split = self._roles.split(args, kwargs, leaf_shardings)
+        in_shardings = layout.for_partitioned(split.donated_shardings, split.kept_shardings)
         jitted, _ = self.jitted("partitioned", in_shardings, layout)
-        return jitted(spec, donated, kept)
-
-    def _partition(
-        self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_StaticSpec, list[Any], list[Any], tuple[list[Any], list[Any]]]:
-        """Sort the leaves of `(args, kwargs)` into static, donated and kept ones; also returns
-        the shardings of the donated and of the kept leaves."""
-        self._check_named_arguments_exist(args, kwargs)
-        path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        leaf_shardings = layout.for_leaves(len(path_leaves))
-        kinds, static, donated, kept = [], [], [], []
-        donated_shardings, kept_shardings = [], []
-        unhashable: list[str] = []
-        donated_paths: dict[int, str] = {}
-        for (path, leaf), sharding in zip(path_leaves, leaf_shardings, strict=True):
-            where = format_argument_path(path)
-            if (
-                not is_array_like(leaf)
-                or (self.scalars_are_static and isinstance(leaf, PYTHON_SCALARS))
-                or _names(path, self._static_argnums, self._static_argnames)
-            ):
-                kinds.append(_STATIC)
-                static.append(leaf)
-                if not _is_hashable(leaf):
-                    unhashable.append(f"{where} is a {type(leaf).__name__}")
-            elif _names(path, self._donate_argnums, self._donate_argnames):
-                kinds.append(_DONATED)
-                donated.append(leaf)
-                donated_shardings.append(sharding)
-                if isinstance(leaf, jax.Array):  # Only arrays have buffers; Python numbers are shared.
-                    if id(leaf) in donated_paths:
-                        raise self._donated_twice(donated_paths[id(leaf)], where)
-                    donated_paths[id(leaf)] = where
-            else:
-                kinds.append(_KEPT)
-                kept.append(leaf)
-                kept_shardings.append(sharding)
-        if unhashable:
-            raise TypeError(
-                f"{self._caller}: compile-time constants (arguments that are not arrays, and those "
-                "named by RunOptions.static_argnums / static_argnames) must be hashable, but these "
-                f"are not:{bullet_list(unhashable)}\nPass them as arrays, make them hashable (a "
-                "tuple instead of a list, a frozen dataclass), or close over them in the function."
-            )
-        for path, leaf in path_leaves:
-            donated_here = _names(path, self._donate_argnums, self._donate_argnames)
-            if isinstance(leaf, jax.Array) and id(leaf) in donated_paths and not donated_here:
-                raise self._donated_twice(donated_paths[id(leaf)], format_argument_path(path))
-        # Types are part of the key: 1, 1.0 and True are equal but must not share a compilation.
-        typed_static = tuple((type(leaf), leaf) for leaf in static)
-        shardings = (donated_shardings, kept_shardings)
-        return _StaticSpec(treedef, tuple(kinds), typed_static), donated, kept, shardings
-
-    def _check_named_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise unless every argument RunOptions donates or makes static is passed: a position
-        past the end, or a name given positionally, would silently donate or fix nothing."""
-        missing = []
-        for option, numbers, names in (
-            ("donate", self._donate_argnums, self._donate_argnames),
-            ("static", self._static_argnums, self._static_argnames),
-        ):
-            missing += [f"{option}_argnums position {n}" for n in numbers if n >= len(args)]
-            missing += [f"{option}_argnames name {n!r}" for n in names if n not in kwargs]
-        if missing:
-            raise ValueError(
-                f"{self._caller}: RunOptions names arguments that this call does not pass "
-                f"({', '.join(missing)}); it passed {len(args)} positional argument(s) and "
-                f"keyword arguments {sorted(kwargs)}. Positions count `args`; names match `kwargs` "
-                "only, so pass a named argument as a keyword."
-            )
-
-    def _donated_twice(self, donated_at: str, also_at: str) -> ValueError:
-        return ValueError(
-            f"{self._caller}: the same array is passed as {donated_at} and as {also_at}, and "
-            f"{donated_at} is donated (RunOptions.donate_argnums / donate_argnames). Donation "
-            "deletes the array's buffer, so it cannot also be used elsewhere in the call. Pass a "
-            "copy (jnp.copy(x)) in one of the places, or do not donate it."
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _StaticSpec:
-    """The hashable part of a call: the argument structure and its non-array leaves."""
-
-    treedef: Any
-    kinds: tuple[int, ...]
-    static: tuple[tuple[type, Any], ...]
-
-    def rebuild(self, donated: list[Any], kept: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        static = (leaf for _, leaf in self.static)
-        sources = {_STATIC: static, _KEPT: iter(kept), _DONATED: iter(donated)}
-        return jax.tree.unflatten(self.treedef, [next(sources[kind]) for kind in self.kinds])
+        return jitted(split.spec, split.donated, split.kept)
 
 
 def _misplaced(leaf: Any, where: jax.sharding.Sharding) -> bool:
     # A tracer (run inside an outer jit) has no placement of its own.
-    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.sharding != where
+    return isinstance(leaf, jax.Array) and not is_tracer(leaf) and leaf.sharding != where
 
 
 def _flat(tree: PyTree) -> Hashable:
@@ -479,23 +388,6 @@ def _checking_layout(
     return checked
 
 
-def jit_options(options: RunOptions | None) -> tuple[tuple[Any, ...], ...]:
-    """The RunOptions fields that change how a step compiles: donation and static arguments."""
-    if options is None:
-        return ()
-    return (options.donate_argnums, options.donate_argnames, options.static_argnums, options.static_argnames)  # type: ignore[return-value]
-
-
-def _names(path: tuple[Any, ...], argnums: tuple[int, ...], argnames: tuple[str, ...]) -> bool:
-    """Whether the leaf at `path` in `(args, kwargs)` lies under one of these positions or names."""
-    group, top = path[0], path[1]
-    return top.idx in argnums if group.idx == 0 else top.key in argnames
-
-
-def _has_static_leaves(tree: PyTree) -> bool:
-    return not all(is_array_like(leaf) for leaf in jax.tree.leaves(tree))
-
-
 def weak_resolver(fn: StepFn) -> Callable[[], StepFn]:
     """A function returning `fn` without keeping it (or a bound method's object) alive."""
     try:
@@ -514,14 +406,6 @@ def _source_info(fn: StepFn) -> types.SimpleNamespace:
     """
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return types.SimpleNamespace(__name__=name, __qualname__=name, __code__=_code_of(fn))
-
-
-def _is_hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _code_of(fn: Any) -> types.CodeType | None:

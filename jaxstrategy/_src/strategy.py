@@ -10,27 +10,28 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import types
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxstrategy._src import contexts, nnx_objects
+from jaxstrategy._src import contexts, input_lib, nnx_objects
 from jaxstrategy._src.contexts import InputContext, ValueContext
 from jaxstrategy._src.device_spec import canonical_name
 from jaxstrategy._src.errors import caller_stacklevel
-from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator, ReplicaLayout
-from jaxstrategy._src.options import InputOptions, InputReplicationMode, RunOptions
+from jaxstrategy._src.in_flight import InFlightLimit
+from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator
+from jaxstrategy._src.options import InputOptions, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
-from jaxstrategy._src.replica_batches import Grouping
-from jaxstrategy._src.step_cache import StepCache, jit_options
-from jaxstrategy._src.tree_checks import has_wide_host_leaf, is_array_like, require_representable
+from jaxstrategy._src.replica_batches import ReplicaLayout
+from jaxstrategy._src.step_arguments import jit_options
+from jaxstrategy._src.step_cache import NOT_COMPILED, StepCache
+from jaxstrategy._src.tree_checks import has_wide_host_leaf, require_representable
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
 
-_MethodType = types.MethodType
 _current_state = contexts.STATE.get
 _OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
 
@@ -61,23 +62,34 @@ class StrategyExtended:
 class Strategy(abc.ABC):
     """The `tf.distribute.Strategy` API over JAX devices; see `OneDeviceStrategy`."""
 
-    def __init__(self) -> None:
-        name = type(self).__name__
-        self._run_steps = StepCache(
+    # `run`'s and `init`'s compiled steps are built on first use, not in `__init__`: they read
+    # the hooks below, which read a subclass's fields, so a subclass's `__init__` may set those
+    # before or after calling `super().__init__()`. `cached_property` stores each in the
+    # instance's `__dict__`, where later look-ups find it as fast as a plain attribute; the
+    # `setdefault` keeps one cache per strategy where threads race to build it (Python 3.12's
+    # `cached_property` no longer locks).
+
+    @functools.cached_property
+    def _run_steps(self) -> StepCache:
+        steps = StepCache(
             in_shardings=self._run_input_shardings,
             out_shardings=self._run_output_sharding,
             program=self._replica_program,
-            caller=f"{name}.run()",
-            wait_every=self._run_wait_every,
+            caller=f"{type(self).__name__}.run()",
+            in_flight_limit=self._run_in_flight_limit,
         )
-        self._compiled_runs = self._run_steps.fast  # Saves an attribute lookup per run().
-        self._init_steps = StepCache(
+        return self.__dict__.setdefault("_run_steps", steps)
+
+    @functools.cached_property
+    def _init_steps(self) -> StepCache:
+        steps = StepCache(
             in_shardings=self.sharding,
             out_shardings=self.sharding,
             program=self._cross_replica_program,
-            caller=f"{name}.init()",
+            caller=f"{type(self).__name__}.init()",
             scalars_are_static=True,
         )
+        return self.__dict__.setdefault("_init_steps", steps)
 
     # What a concrete strategy supplies.
 
@@ -125,8 +137,8 @@ class Strategy(abc.ABC):
         return 1, 0
 
     @property
-    def _run_wait_every(self) -> int | None:
-        """Wait for every this many `run` calls to finish (None: never); see MirroredStrategy."""
+    def _run_in_flight_limit(self) -> InFlightLimit | None:
+        """What bounds the `run` steps queued at once (None: nothing); see `InFlightLimit`."""
         return None
 
     def _cross_replica_program(self, fn: StepFn) -> StepFn:
@@ -201,7 +213,7 @@ class Strategy(abc.ABC):
           >>> current is strategy, v.devices() == {strategy.device}
           (True, True)
         """
-        return _Scope(self)
+        return contexts.StrategyScope(self)
 
     def run(
         self,
@@ -268,31 +280,20 @@ class Strategy(abc.ABC):
         """
         # The hot path, kept to a few checks (see step_cache.py): a function already compiled for
         # array arguments, called with a tuple of them, outside run and any other strategy's scope.
-        if kwargs is None and options is None and type(args) is tuple:
-            key = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)  # function_key
-            compiled = self._compiled_runs.get(key)
-            # A Module among the arguments would go in as a pytree and its updates be lost; a
-            # 64-bit numpy leaf would be narrowed to 32 bits unchecked.
-            if (
-                compiled is not None
-                and not nnx_objects.any_object_among(args)
-                and not has_wide_host_leaf(args)
-            ):
-                state = _current_state()
-                if state is _OUTSIDE_EVERY_SCOPE or (
-                    state.strategy is self and state.replica_context is None
-                ):
-                    try:
-                        return compiled(*args)
-                    except TypeError:
-                        if all(is_array_like(leaf) for leaf in jax.tree.leaves(args)):
-                            raise
-                    except ValueError:
-                        # Where input layouts vary, the inputs may not fit the one this was
-                        # compiled for (a PerReplica where there was none); the slow path finds
-                        # theirs. A ValueError from `fn` itself is raised again there.
-                        if not self._run_steps.layouts_vary:
-                            raise
+        # A Module among the arguments would go in as a pytree and its updates be lost; a 64-bit
+        # numpy leaf would be narrowed to 32 bits unchecked.
+        if (
+            kwargs is None
+            and options is None
+            and type(args) is tuple
+            and not nnx_objects.any_object_among(args)
+            and not has_wide_host_leaf(args)
+        ):
+            state = _current_state()
+            if state is _OUTSIDE_EVERY_SCOPE or (state.strategy is self and state.replica_context is None):
+                result = self._run_steps.call_fast(fn, args)
+                if result is not NOT_COMPILED:
+                    return result
         return self._run_checked(fn, args, kwargs, options)
 
     def _run_checked(
@@ -349,7 +350,52 @@ class Strategy(abc.ABC):
         return self._run_steps(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
-        """Reduce `value` across replicas, and along `axis` unless it is None."""
+        """Combine `value` across replicas, and along `axis` within each replica unless it is None.
+
+        A `PerReplica` leaf combines its components: SUM adds them, MEAN averages them (as the
+        global sum over the global count when `axis` is given). Any other leaf stands for the
+        same value on every replica: SUM multiplies it by the number of replicas (as TensorFlow
+        does with an axis; without one it raises) and MEAN returns it as it is. With an axis (an
+        int or a tuple of ints), every leaf must be an array with that axis; MEAN of integers
+        gives JAX's default float (TensorFlow gives float64).
+
+        On `OneDeviceStrategy` reducing across its one replica is a no-op: with `axis=None`,
+        `value` is returned unchanged, whatever it is.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
+          value: a pytree of arrays and `PerReplica`s, such as `run`'s result.
+          axis: required, as in TensorFlow: None, or the axis (or axes) of each replica's value
+            to reduce as well.
+
+        Returns:
+          The reduced pytree, committed to `self.sharding` (on `MirroredStrategy`, replicated on
+          every device); on `OneDeviceStrategy` with `axis=None`, `value` itself.
+
+        Raises:
+          ValueError: an unknown reduce op name; an axis out of range for a leaf, or a scalar leaf
+            with an axis (each such leaf is named).
+          TypeError: `reduce_op` of the wrong type; a leaf that is not an array (on
+            `OneDeviceStrategy`, only with an axis).
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> t = jnp.arange(10)
+          >>> strategy.reduce(jaxstrategy.ReduceOp.SUM, t, axis=None).tolist()
+          [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+          >>> strategy.reduce('sum', t, axis=0).tolist()
+          45
+
+          On two replicas, a `PerReplica` combines its components:
+
+          >>> mirrored = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> losses = mirrored.experimental_distribute_values_from_function(
+          ...     lambda context: jnp.float32(context.replica_id_in_sync_group + 1))
+          >>> [mirrored.reduce(op, losses, axis=None).tolist() for op in ('sum', 'mean')]
+          [3.0, 1.5]
+        """
         caller = f"{type(self).__name__}.reduce()"
         contexts.require_cross_replica_context(
             self,
@@ -360,7 +406,41 @@ class Strategy(abc.ABC):
         return self._reduce(as_reduce_op(reduce_op, caller=caller), value, axis)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
-        """Concatenate `value` across replicas along `axis`."""
+        """Concatenate the replicas' values of `value` along `axis`, in replica order.
+
+        A leaf that is not a `PerReplica` is the same on every replica, so its copies are
+        concatenated; on `OneDeviceStrategy`, with one replica, `value` comes back unchanged.
+        Every leaf must be an array with an axis `axis`, however many replicas there are
+        (TensorFlow's OneDeviceStrategy accepts scalars and any axis here, so code that fails on
+        many devices would pass on one).
+
+        Args:
+          value: a pytree of arrays (and `PerReplica`s) of rank 1 or more.
+          axis: the axis to concatenate along, in [-rank, rank).
+
+        Returns:
+          The gathered pytree, committed to `self.sharding` (on `MirroredStrategy`, replicated on
+          every device); on `OneDeviceStrategy`, `value` itself.
+
+        Raises:
+          ValueError: a scalar leaf, or `axis` out of a leaf's range.
+          TypeError: a leaf that is not an array, or an `axis` that is not an int.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> strategy.gather(jnp.arange(6).reshape(1, 2, 3), axis=1).shape
+          (1, 2, 3)
+
+          On four replicas, each holding the same value:
+
+          >>> mirrored = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1', '/cpu:2', '/cpu:3'])
+          >>> value = mirrored.experimental_distribute_values_from_function(
+          ...     lambda _: jnp.arange(6).reshape(1, 2, 3))
+          >>> [mirrored.gather(value, axis).shape for axis in (0, 1, 2)]
+          [(4, 2, 3), (1, 8, 3), (1, 2, 12)]
+        """
         contexts.require_cross_replica_context(
             self,
             f"{type(self).__name__}.gather()",
@@ -417,12 +497,12 @@ class Strategy(abc.ABC):
           [8, 9] True
         """
         caller = f"{type(self).__name__}.experimental_distribute_dataset()"
-        options = self._check_input_options(options, caller, per_replica_supported=False)
+        options = input_lib.input_options(options, caller, per_replica_supported=False)
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
-        return DistributedDataset(
-            [dataset], layout=self._batch_layout, grouping="split", options=options, caller=caller
+        return input_lib.distribute_dataset(
+            dataset, layout=self._batch_layout, options=options, caller=caller
         )
 
     def experimental_distribute_datasets_from_function(
@@ -491,36 +571,14 @@ class Strategy(abc.ABC):
                 f"got {type(dataset_fn).__name__}. To distribute a dataset itself, use "
                 "experimental_distribute_dataset."
             )
-        options = self._check_input_options(options, caller, per_replica_supported=self._batch_layout.stacked)
+        layout = self._batch_layout
+        options = input_lib.input_options(options, caller, per_replica_supported=layout.stacked)
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
-        n = self.num_replicas_in_sync
-        layout = self._batch_layout
-        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-            input_contexts = [InputContext(n, i, n) for i in layout.local_replica_ids]
-            grouping: Grouping = "zip"
-        else:
-            input_contexts = [InputContext(*self._input_pipeline, n)]
-            grouping = "consecutive" if layout.stacked else "split"
-        sources = [dataset_fn(context) for context in input_contexts]
-        return DistributedDataset(sources, layout=layout, grouping=grouping, options=options, caller=caller)
-
-    def _check_input_options(
-        self, options: InputOptions | None, caller: str, *, per_replica_supported: bool
-    ) -> InputOptions:
-        if options is None:
-            return InputOptions()
-        if not isinstance(options, InputOptions):
-            raise TypeError(f"{caller}: options must be a jaxstrategy.InputOptions; got {options!r}.")
-        per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
-        if per_replica and not per_replica_supported:
-            raise NotImplementedError(
-                f"{caller}: InputReplicationMode.PER_REPLICA is only supported in "
-                "`distribute_datasets_from_function` of a strategy with several replicas "
-                "(MirroredStrategy); use PER_WORKER (the default)."
-            )
-        return options
+        return input_lib.distribute_datasets_from_function(
+            dataset_fn, layout=layout, input_pipeline=self._input_pipeline, options=options, caller=caller
+        )
 
     def put(self, tree: PyTree) -> PyTree:
         """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.
@@ -575,25 +633,3 @@ class Strategy(abc.ABC):
             self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
         )
         return self._init_steps(fn, args, kwargs)
-
-
-class _Scope:
-    """What `Strategy.scope()` returns: a context manager that may be entered again, and nested,
-    as TensorFlow's is (`scope = strategy.scope()`, then `with scope:` more than once)."""
-
-    def __init__(self, strategy: Strategy):
-        self._strategy = strategy
-        self._entered: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> Strategy:
-        contexts.require_cross_replica_context(
-            self._strategy, "scope()", in_run_hint="Enter the scope outside the function given to run()."
-        )
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(contexts.entered(self._strategy))
-            stack.enter_context(self._strategy._default_device_scope())
-            self._entered.append(stack.pop_all())
-        return self._strategy
-
-    def __exit__(self, *exc_info: Any) -> bool | None:
-        return self._entered.pop().__exit__(*exc_info)

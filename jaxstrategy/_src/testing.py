@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxstrategy._src.arguments import check_int
 from jaxstrategy._src.errors import bullet_list, format_path
 from jaxstrategy._src.strategy import Strategy
 from jaxstrategy._src.types import PyTree
@@ -80,8 +81,7 @@ def force_cpu_devices(n: int) -> None:
       ...
       RuntimeError: force_cpu_devices(4): JAX has already started its backends in this process, ...
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"force_cpu_devices({n!r}): expected an int >= 1.")
+    check_int(n, f"force_cpu_devices({n!r})", at_least=1)
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as error:

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.tree_checks import is_array_like, require_array_leaves, require_representable
 from jaxstrategy._src.types import PyTree
 
@@ -86,7 +87,7 @@ def device_put_anywhere(
     return [
         _parts_from_this_process(leaf, where)
         if isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)  # Under an outer jit: a sharding constraint.
+        and not is_tracer(leaf)  # Under an outer jit: a sharding constraint.
         and leaf.is_fully_addressable
         and not where.is_fully_addressable
         else jax.device_put(leaf, where, may_alias=may_alias)

@@ -9,7 +9,9 @@
 The jobs of two_process_worker.py (each a real job of two processes, started with
 `jaxstrategy.testing.run_local_workers`) run once per session, in a background thread that starts
 with the first test of this directory, so that they overlap the in-process tests; a case's test
-waits for its job. Each job has a hard timeout, after which its processes are killed.
+waits for its job. Each job has a hard timeout, after which its processes are killed. Under
+pytest-xdist (`make test`) the root conftest.py sends every test of this directory to one
+worker, so that the jobs run once.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         pytest.param(
             case_id,
             id=case.name,
-            marks=[pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else [],
+            # Slow: the test waits for a job of two processes (`make test-fast` runs none).
+            marks=[
+                pytest.mark.slow,
+                *([pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []),
+            ],
         )
         for case_id, case in worker.CASES.items()
         if case.tf_file == tf_file

@@ -1,0 +1,137 @@
+"""Splitting a step's arguments into constants, donated and kept leaves, and bounding steps in flight."""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstrategy import RunOptions
+from jaxstrategy._src import in_flight
+from jaxstrategy._src.in_flight import InFlightLimit
+from jaxstrategy._src.step_arguments import ArgumentRoles, has_static_leaves, jit_options
+
+CALLER = "Test.run()"
+
+
+class Mode(enum.Enum):
+    TRAIN = 1
+
+
+def roles(**options) -> ArgumentRoles:
+    return ArgumentRoles.from_options(RunOptions(**options), scalars_are_static=False, caller=CALLER)
+
+
+def split(role: ArgumentRoles, args, kwargs=None):
+    kwargs = kwargs or {}
+    count = len(jax.tree.leaves((args, kwargs)))
+    return role.split(tuple(args), kwargs, [f"sharding{i}" for i in range(count)])
+
+
+def test_leaves_are_sorted_by_role_and_rebuilt_in_place():
+    params, batch = {"w": jnp.ones(2), "b": jnp.zeros(1)}, np.arange(3.0)
+    args = (params, batch, Mode.TRAIN)
+    kwargs = {"name": "step", "scale": 2.0}
+    parts = split(roles(donate_argnums=0, static_argnames="scale"), args, kwargs)
+    assert [x.shape for x in parts.donated] == [(1,), (2,)]  # params, in key order: b, w
+    assert len(parts.kept) == 1 and parts.kept[0] is batch
+    assert [leaf for _, leaf in parts.spec.static] == [Mode.TRAIN, "step", 2.0]
+    # Each leaf keeps the sharding given for its position.
+    assert parts.donated_shardings == ["sharding0", "sharding1"]
+    assert parts.kept_shardings == ["sharding2"]
+    rebuilt_args, rebuilt_kwargs = parts.spec.rebuild(parts.donated, parts.kept)
+    assert rebuilt_args[0]["w"] is params["w"] and rebuilt_args[1] is batch
+    assert rebuilt_args[2] is Mode.TRAIN and rebuilt_kwargs == kwargs
+
+
+def test_equal_constants_of_different_types_do_not_share_a_spec():
+    specs = [split(roles(static_argnums=0), (value,)).spec for value in (1, 1.0, True)]
+    assert len(set(specs)) == 3
+    assert split(roles(static_argnums=0), (1,)).spec == specs[0]
+
+
+def test_python_numbers_are_constants_only_where_scalars_are_static():
+    traced = ArgumentRoles.from_options(None, scalars_are_static=False, caller=CALLER)
+    static = ArgumentRoles.from_options(None, scalars_are_static=True, caller=CALLER)
+    assert split(traced, (3,)).kept == [3]
+    assert split(static, (3,)).kept == [] and split(static, (3,)).spec.static == ((int, 3),)
+
+
+def test_unhashable_constants_are_named_by_path():
+    message = (
+        r"Test.run\(\): compile-time constants .* must be hashable, but these are not:\n"
+        r"  args\[0\]\['config'\] is a set\n  kwargs\['extra'\] is a bytearray\n"
+        r"Pass them as arrays, make them hashable"
+    )
+    with pytest.raises(TypeError, match=message):
+        split(
+            roles(), ({"config": {"a"}, "lists": ["flattened", "fine"]}, jnp.ones(1)), {"extra": bytearray(1)}
+        )
+
+
+def test_options_naming_arguments_the_call_does_not_pass_are_an_error():
+    message = (
+        r"Test.run\(\): RunOptions names arguments that this call does not pass \(donate_argnums "
+        r"position 2, static_argnames name 'mode'\); it passed 1 positional argument\(s\) and "
+        r"keyword arguments \[\]\."
+    )
+    with pytest.raises(ValueError, match=message):
+        split(roles(donate_argnums=2, static_argnames="mode"), (jnp.ones(1),))
+
+
+def test_a_donated_array_passed_twice_is_an_error_naming_both_places():
+    x = jnp.ones(2)
+    with pytest.raises(ValueError, match=r"the same array is passed as args\[0\] and as args\[1\]\['y'\]"):
+        split(roles(donate_argnums=0), (x, {"y": x}))
+    with pytest.raises(ValueError, match=r"passed as args\[0\]\[0\] and as args\[0\]\[1\]"):
+        split(roles(donate_argnums=0), ((x, x),))
+    # Python numbers have no buffer: the same one may be donated and kept.
+    parts = split(roles(donate_argnums=0), (1.0, 1.0))
+    assert parts.donated == [1.0] and parts.kept == [1.0]
+
+
+def test_jit_options_and_static_leaves():
+    assert jit_options(None) == () and not any(jit_options(RunOptions()))
+    assert jit_options(RunOptions(donate_argnums=(1, 0)))[0] == (0, 1)
+    assert has_static_leaves({"a": jnp.ones(1), "mode": "train"})
+    assert not has_static_leaves({"a": jnp.ones(1), "b": np.ones(1), "c": 3.0})
+
+
+def test_in_flight_limit_waits_for_every_nth_call(monkeypatch):
+    waited = []
+    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
+    limited = InFlightLimit(wait_every=3).wrap(lambda i: ("out", i))
+    for i in range(7):
+        assert limited(i) == ("out", i)
+    assert waited == [("out", 2), ("out", 5)]
+
+
+def test_in_flight_limit_counts_calls_from_every_thread_together(monkeypatch):
+    waited = []
+    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
+    limit = InFlightLimit(wait_every=4)
+    first, second = limit.wrap(lambda: "first"), limit.wrap(lambda: "second")
+    threads = [threading.Thread(target=call) for call in (first, second) * 4]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(waited) == 2  # 8 calls through one limit: one wait per 4, whoever made them
+
+
+def test_in_flight_limit_lets_errors_through_without_counting(monkeypatch):
+    waited = []
+    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
+
+    def fail():
+        raise RuntimeError("boom")
+
+    limit = InFlightLimit(wait_every=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        limit.wrap(fail)()
+    assert waited == []
+    assert limit.wrap(lambda: 1)() == 1 and waited == [1]
