@@ -106,6 +106,10 @@ def test_backends_started_falls_back_to_the_backends_cache_then_to_false(monkeyp
         jax_compat, "_backends_are_initialized", jax_compat.resolve(jax_compat.BACKENDS_ARE_INITIALIZED_PATHS)
     )
     assert jax_compat.backends_started() is True  # Read from the cache.
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "_backends", {})  # As JAX's _clear_backends rebinds it.
+    assert jax_compat.backends_started() is False  # The cache in use, not the one found at import.
     monkeypatch.setattr(jax_compat, "_backends_cache", None)
     assert jax_compat.backends_started() is False  # Cannot tell: JAX's initialize checks itself.
 

@@ -1,18 +1,14 @@
-"""Splitting a step's arguments into constants, donated and kept leaves, and bounding steps in flight."""
+"""Splitting a step's arguments into constants, donated and kept leaves."""
 
 from __future__ import annotations
 
 import enum
-import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxstrategy import RunOptions
-from jaxstrategy._src import in_flight
-from jaxstrategy._src.in_flight import InFlightLimit
 from jaxstrategy._src.step_arguments import ArgumentRoles, has_static_leaves, jit_options
 
 CALLER = "Test.run()"
@@ -28,8 +24,7 @@ def roles(**options) -> ArgumentRoles:
 
 def split(role: ArgumentRoles, args, kwargs=None):
     kwargs = kwargs or {}
-    count = len(jax.tree.leaves((args, kwargs)))
-    return role.split(tuple(args), kwargs, [f"sharding{i}" for i in range(count)])
+    return role.split(tuple(args), kwargs, lambda count: [f"sharding{i}" for i in range(count)])
 
 
 def test_leaves_are_sorted_by_role_and_rebuilt_in_place():
@@ -99,39 +94,3 @@ def test_jit_options_and_static_leaves():
     assert jit_options(RunOptions(donate_argnums=(1, 0)))[0] == (0, 1)
     assert has_static_leaves({"a": jnp.ones(1), "mode": "train"})
     assert not has_static_leaves({"a": jnp.ones(1), "b": np.ones(1), "c": 3.0})
-
-
-def test_in_flight_limit_waits_for_every_nth_call(monkeypatch):
-    waited = []
-    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
-    limited = InFlightLimit(wait_every=3).wrap(lambda i: ("out", i))
-    for i in range(7):
-        assert limited(i) == ("out", i)
-    assert waited == [("out", 2), ("out", 5)]
-
-
-def test_in_flight_limit_counts_calls_from_every_thread_together(monkeypatch):
-    waited = []
-    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
-    limit = InFlightLimit(wait_every=4)
-    first, second = limit.wrap(lambda: "first"), limit.wrap(lambda: "second")
-    threads = [threading.Thread(target=call) for call in (first, second) * 4]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=10)
-    assert len(waited) == 2  # 8 calls through one limit: one wait per 4, whoever made them
-
-
-def test_in_flight_limit_lets_errors_through_without_counting(monkeypatch):
-    waited = []
-    monkeypatch.setattr(in_flight.jax, "block_until_ready", waited.append)
-
-    def fail():
-        raise RuntimeError("boom")
-
-    limit = InFlightLimit(wait_every=1)
-    with pytest.raises(RuntimeError, match="boom"):
-        limit.wrap(fail)()
-    assert waited == []
-    assert limit.wrap(lambda: 1)() == 1 and waited == [1]

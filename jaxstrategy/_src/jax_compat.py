@@ -21,6 +21,7 @@ filters, which are process-wide, while other threads run.
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -112,7 +113,10 @@ def backends_started() -> bool:
     if _backends_are_initialized is not None:
         return bool(_backends_are_initialized[1]())
     if _backends_cache is not None:
-        return bool(_backends_cache[1])
+        # Read anew: JAX rebinds the cache (`xla_bridge._clear_backends`), so the dict found at
+        # import may no longer be the one in use.
+        module_name, _, attribute = _backends_cache[0].partition(":")
+        return bool(getattr(sys.modules[module_name], attribute, None))
     return False
 
 

@@ -32,8 +32,6 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxstrategy._src.device_spec import spans_processes
-
 Grouping = Literal["split", "consecutive", "zip"]
 
 
@@ -64,7 +62,8 @@ class ReplicaLayout:
 
     @property
     def is_multi_process(self) -> bool:
-        return spans_processes(self.sharding.device_set)
+        # Read per batch: from the replica ids, not by asking every device for its process.
+        return len(self.local_replica_ids) < self.num_replicas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ does not pass, and an array donated while also passed elsewhere in the call.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -108,10 +109,11 @@ class ArgumentRoles:
         return bool(self.donate_argnums or self.donate_argnames)
 
     def split(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaf_shardings: list[Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], shardings_of: Callable[[int], list[Any]]
     ) -> SplitArguments:
-        """Sort the leaves of `(args, kwargs)`, whose shardings are `leaf_shardings` (one per
-        leaf, in flattening order), into constants, donated and kept leaves.
+        """Sort the leaves of `(args, kwargs)` into constants, donated and kept leaves.
+
+        `shardings_of(n)` gives the shardings of the n leaves, in flattening order.
 
         Raises:
           TypeError: a constant is not hashable (each one is named by path).
@@ -120,6 +122,7 @@ class ArgumentRoles:
         """
         self._check_named_arguments_exist(args, kwargs)
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaf_shardings = shardings_of(len(path_leaves))
         kinds: list[int] = []
         static: list[Any] = []
         split = SplitArguments(StaticSpec(treedef, (), ()), [], [], [], [])

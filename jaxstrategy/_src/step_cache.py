@@ -93,6 +93,8 @@ class StepCache:
         replica context, or a `shard_map` of it over the replicas.
       in_flight_limit: when set, every call goes through it (see `InFlightLimit`; only
         `MirroredStrategy` on several CPU devices needs one).
+      admits: what positional arguments must pass for `call_fast` to use a compiled wrapper,
+        asked only when there is one (so a miss costs nothing more); all, when None.
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
@@ -109,7 +111,9 @@ class StepCache:
         caller: str,
         in_flight_limit: InFlightLimit | None = None,
         scalars_are_static: bool = False,
+        admits: Callable[[tuple[Any, ...]], bool] | None = None,
     ):
+        self._admits = admits or _admit_all
         # `function_key(fn)` -> the compiled wrapper of each function whose last call had only
         # array-like positional arguments and no options, called as `_fast[key](*args)`.
         self._fast: dict[Hashable, Callable[..., Any]] = {}
@@ -130,14 +134,15 @@ class StepCache:
         """`fn(*args)` through the wrapper compiled at an earlier call, or `NOT_COMPILED`, in
         which case the call belongs to `__call__`.
 
-        It is `NOT_COMPILED` when `fn` has no fast wrapper yet, when jit rejects an argument that
-        is not an array (a `TypeError` before tracing), or, where `layouts_vary`, when the
-        arguments may not fit the wrapper's layout (a `ValueError`). Errors from `fn` itself are
-        raised: a `TypeError` with only array arguments here, a `ValueError` from `__call__`.
+        It is `NOT_COMPILED` when `fn` has no fast wrapper yet, when `admits` refuses the
+        arguments, when jit rejects an argument that is not an array (a `TypeError` before
+        tracing), or, where the layout depends on the arguments, when they may not fit the
+        wrapper's (a `ValueError`). Errors from `fn` itself are raised: a `TypeError` with only
+        array arguments here, a `ValueError` from `__call__`.
         """
         # function_key(fn), inline: this runs on every step.
         compiled = self._fast.get((id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn))
-        if compiled is None:
+        if compiled is None or not self._admits(args):
             return NOT_COMPILED
         try:
             return compiled(*args)
@@ -191,11 +196,6 @@ class StepCache:
             self._fast[key] = compiled if limit is None else limit.wrap(compiled)
         return result
 
-    @property
-    def layouts_vary(self) -> bool:
-        """Whether where inputs go depends on the arguments (`in_shardings` is a function)."""
-        return self._layout_of is not None
-
     def _layout(self, args_and_kwargs: PyTree) -> _Layout:
         if self._layout_of is None:
             return _Layout(self._in_shardings, self._out_shardings)
@@ -245,6 +245,10 @@ class StepCache:
                 "once, outside the loop, and pass that same object to every call.",
                 stacklevel=caller_stacklevel(),
             )
+
+
+def _admit_all(args: tuple[Any, ...]) -> bool:
+    return True
 
 
 class LayoutChanged(ValueError):
@@ -353,8 +357,7 @@ class _CompiledStep:
         return jitted, True
 
     def call_partitioned(self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-        leaf_shardings = layout.for_leaves(len(jax.tree.leaves((args, kwargs))))
-        split = self._roles.split(args, kwargs, leaf_shardings)
+        split = self._roles.split(args, kwargs, layout.for_leaves)
         in_shardings = layout.for_partitioned(split.donated_shardings, split.kept_shardings)
         jitted, _ = self.jitted("partitioned", in_shardings, layout)
         return jitted(split.spec, split.donated, split.kept)

@@ -77,8 +77,21 @@ class Strategy(abc.ABC):
             program=self._replica_program,
             caller=f"{type(self).__name__}.run()",
             in_flight_limit=self._run_in_flight_limit,
+            admits=self._admits_fast_call,
         )
         return self.__dict__.setdefault("_run_steps", steps)
+
+    def _admits_fast_call(self, args: tuple[Any, ...]) -> bool:
+        """Whether `run` with these positional arguments may call a step compiled before, as
+        they are: outside `run` and any other strategy's scope, with no NNX object among them
+        (it would go in as a pytree, and its updates be lost) and no 64-bit numpy leaf (it would
+        be narrowed to 32 bits unchecked)."""
+        state = _current_state()
+        return (
+            (state is _OUTSIDE_EVERY_SCOPE or (state.strategy is self and state.replica_context is None))
+            and not nnx_objects.any_object_among(args)
+            and not has_wide_host_leaf(args)
+        )
 
     @functools.cached_property
     def _init_steps(self) -> StepCache:
@@ -278,22 +291,12 @@ class Strategy(abc.ABC):
           >>> counter.bias[...].tolist()
           [3.0]
         """
-        # The hot path, kept to a few checks (see step_cache.py): a function already compiled for
-        # array arguments, called with a tuple of them, outside run and any other strategy's scope.
-        # A Module among the arguments would go in as a pytree and its updates be lost; a 64-bit
-        # numpy leaf would be narrowed to 32 bits unchecked.
-        if (
-            kwargs is None
-            and options is None
-            and type(args) is tuple
-            and not nnx_objects.any_object_among(args)
-            and not has_wide_host_leaf(args)
-        ):
-            state = _current_state()
-            if state is _OUTSIDE_EVERY_SCOPE or (state.strategy is self and state.replica_context is None):
-                result = self._run_steps.call_fast(fn, args)
-                if result is not NOT_COMPILED:
-                    return result
+        # The hot path (see step_cache.py): a function already compiled for array arguments,
+        # called with a tuple of them, that `_admits_fast_call` lets through.
+        if kwargs is None and options is None and type(args) is tuple:
+            result = self._run_steps.call_fast(fn, args)
+            if result is not NOT_COMPILED:
+                return result
         return self._run_checked(fn, args, kwargs, options)
 
     def _run_checked(
