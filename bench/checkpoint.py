@@ -29,7 +29,7 @@ and the iterator's position, reached by skipping the batches taken) and the time
 the process to its first resumed step.
 
     python bench/checkpoint.py            # 5 rounds
-    python bench/checkpoint.py --quick    # 1 round, a smoke test
+    python bench/checkpoint.py --quick    # 1 round of 8 MiB, a smoke test
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from jaxstrategy._src import checksums
 
 MIB = 2**20
 TOTAL_MIB = 100
+QUICK_MIB = 8  # The smoke test's tree: every path is taken, at a twelfth of the cost.
 NUM_LEAVES = 21
 GOAL_BLOCKING_FRACTION = 0.10
 GOAL_RESTORE_RATIO = 1.5
@@ -66,11 +67,11 @@ GOAL_CHECKSUM_RATIO = 1.10
 CHECKSUM_PAIRS_PER_ROUND = 3
 
 
-def make_tree(strategy: jaxstrategy.OneDeviceStrategy) -> dict[str, jax.Array]:
-    """21 float32 leaves of uneven sizes adding up to 100 MiB, like a model's parameters."""
+def make_tree(strategy: jaxstrategy.OneDeviceStrategy, mib: int) -> dict[str, jax.Array]:
+    """21 float32 leaves of uneven sizes adding up to `mib` MiB, like a model's parameters."""
     weights = np.arange(1, NUM_LEAVES + 1, dtype=np.float64)
-    sizes = np.floor(weights / weights.sum() * TOTAL_MIB * MIB / 4).astype(int)
-    sizes[-1] += TOTAL_MIB * MIB // 4 - sizes.sum()
+    sizes = np.floor(weights / weights.sum() * mib * MIB / 4).astype(int)
+    sizes[-1] += mib * MIB // 4 - sizes.sum()
     rng = np.random.default_rng(0)
     host = {f"layer{i:02d}": rng.standard_normal(size, dtype=np.float32) for i, size in enumerate(sizes)}
     return strategy.put(host)
@@ -192,12 +193,12 @@ def _bench_step(total: jax.Array, batch: jax.Array) -> jax.Array:
     return total + batch.sum()
 
 
-def preemption_child(directory: str) -> None:
-    """A training loop under a PreemptionHandler, saving the 100 MiB tree and an iterator; it
+def preemption_child(directory: str, mib: int) -> None:
+    """A training loop under a PreemptionHandler, saving the `mib` MiB tree and an iterator; it
     prints one JSON line once its first step (resumed or not) ran, and trains until stopped."""
     started = float(os.environ[_START_ENV])
     strategy = jaxstrategy.OneDeviceStrategy()
-    tree = make_tree(strategy)
+    tree = make_tree(strategy, mib)
     dataset = strategy.experimental_distribute_dataset(
         [np.full(4, i, np.float32) for i in range(PREEMPTION_BATCHES)]
     )
@@ -222,10 +223,10 @@ def preemption_child(directory: str) -> None:
                 print(json.dumps(report), flush=True)
 
 
-def _start_child(directory: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def _start_child(directory: Path, mib: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     env = {**os.environ, _START_ENV: repr(time.time())}
     child = subprocess.Popen(
-        [sys.executable, __file__, "--preemption-child", str(directory)],
+        [sys.executable, __file__, "--preemption-child", str(directory), "--mib", str(mib)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -238,12 +239,12 @@ def _start_child(directory: Path) -> tuple[subprocess.Popen[str], dict[str, Any]
     return child, json.loads(line)
 
 
-def measure_preemption(root: Path, rounds: int) -> list[dict[str, float]]:
+def measure_preemption(root: Path, rounds: int, mib: int) -> list[dict[str, float]]:
     """Per round: SIGTERM to exit, the handler's save, and the resumed run's restore and first step."""
     results = []
     for round_index in range(rounds):
         directory = root / f"preemption-{round_index}"
-        child, _ = _start_child(directory)
+        child, _ = _start_child(directory, mib)
         time.sleep(1.0)  # Training, well past the first steps.
         signalled = time.perf_counter()
         child.send_signal(signal.SIGTERM)
@@ -252,7 +253,7 @@ def measure_preemption(root: Path, rounds: int) -> list[dict[str, float]]:
         saved = re.search(r"saved step (\d+) to .* in ([0-9.]+) s", stderr)
         if child.returncode != checkpoint.PREEMPTED_EXIT_CODE or saved is None:
             raise RuntimeError(f"the preemption child ended with status {child.returncode}:\n{stderr}")
-        resumed, report = _start_child(directory)
+        resumed, report = _start_child(directory, mib)
         resumed.kill()
         resumed.communicate(timeout=60)
         assert report["resumed_at"] == int(saved.group(1)), (report, saved.group(0))
@@ -269,13 +270,13 @@ def measure_preemption(root: Path, rounds: int) -> list[dict[str, float]]:
     return results
 
 
-def report_preemption(results: list[dict[str, float]]) -> None:
+def report_preemption(results: list[dict[str, float]], mib: int) -> None:
     def median(key: str) -> float:
         return statistics.median(result[key] for result in results)
 
     print()
     print(
-        f"preemption, {TOTAL_MIB} MiB and an iterator {median('steps'):.0f} batches in (median of "
+        f"preemption, {mib} MiB and an iterator {median('steps'):.0f} batches in (median of "
         f"{len(results)}): SIGTERM to a clean exit {median('exit_s'):.2f} s (the save "
         f"{median('save_s'):.2f} s of it); resume: restore {median('restore_s'):.2f} s, process start "
         f"to the first resumed step {median('first_step_s'):.2f} s"
@@ -285,16 +286,18 @@ def report_preemption(results: list[dict[str, float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="one round, as a smoke test")
+    parser.add_argument("--quick", action="store_true", help=f"one round of {QUICK_MIB} MiB, as a smoke test")
+    parser.add_argument("--mib", type=int, help=f"the tree's size (default {TOTAL_MIB} MiB)")
     parser.add_argument("--preemption-child", metavar="DIRECTORY", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.preemption_child:
-        preemption_child(args.preemption_child)
+        preemption_child(args.preemption_child, args.mib)
         return
     rounds = 1 if args.quick else args.rounds
+    mib = args.mib or (QUICK_MIB if args.quick else TOTAL_MIB)
 
     strategy = jaxstrategy.OneDeviceStrategy()
-    tree = make_tree(strategy)
+    tree = make_tree(strategy, mib)
     size_mib = sum(leaf.nbytes for leaf in tree.values()) / MIB
     saves: dict[str, list[float]] = {name: [] for name in METHODS}
     restores: dict[str, list[float]] = {name: [] for name in METHODS}
@@ -348,7 +351,7 @@ def main() -> None:
     print(f"restore / np.load floor: {restore_ratio:.2f} (goal <= {GOAL_RESTORE_RATIO})")
     report_checksums(checksum_ratios)
     with tempfile.TemporaryDirectory() as scratch:
-        report_preemption(measure_preemption(Path(scratch), rounds))
+        report_preemption(measure_preemption(Path(scratch), rounds, mib), mib)
 
 
 if __name__ == "__main__":

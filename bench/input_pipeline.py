@@ -70,6 +70,8 @@ FULL_STEPS, FULL_REPS = 60, 7
 QUICK_STEPS, QUICK_REPS = 15, 1
 # The producer times as multiples of C.
 P_MULTIPLES = (0.0, 0.5, 1.0, 2.0)
+# The smoke test's rows: no producer cost, and one that exceeds the step's.
+QUICK_P_MULTIPLES = (0.0, 2.0)
 KINDS = ("I/O", "CPU")
 LOOPS = ("plain", "flax", "jaxstrategy")
 # A reference column: the plain loop without the per-step read. The CPU-bound goal is the
@@ -463,7 +465,7 @@ def print_goals(cells: list[Cell]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke test: few steps, one rep")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: few steps, one rep, two P")
     parser.add_argument("--steps", type=int, help=f"timed steps per pass (default {FULL_STEPS})")
     parser.add_argument("--reps", type=int, help=f"passes per loop and cell (default {FULL_REPS})")
     args = parser.parse_args()
@@ -508,7 +510,7 @@ def main() -> None:
     cells = [
         measure_cell(kind, multiple, measure_compute, work, loops, args.steps, args.reps)
         for kind in KINDS
-        for multiple in P_MULTIPLES
+        for multiple in (QUICK_P_MULTIPLES if args.quick else P_MULTIPLES)
     ]
     print_table(cells)
     print(f"XLA compiles while timed: {compiles['backend']}")
