@@ -228,10 +228,16 @@ def test_every_public_name_has_a_docstring_with_an_example():
 def test_importing_the_package_does_not_start_jax():
     # A JAX that has started cannot join a job of several processes, and MultiWorkerMirroredStrategy
     # must be creatable after `import jaxstrategy`: importing creates no array and asks for no device.
+    # `backends_started` answers False when it finds nothing to ask, so the program first checks
+    # that it found JAX's own check, and last that it answers True once JAX has started.
     program = (
         "import jaxstrategy, jaxstrategy.checkpoint, jaxstrategy.nn, jaxstrategy.testing\n"
-        "from jaxstrategy._src.jax_compat import backends_started\n"
-        "assert not backends_started(), 'importing jaxstrategy started JAX'\n"
+        "from jaxstrategy._src import jax_compat\n"
+        "assert jax_compat._backends_are_initialized is not None, 'jax_compat found no backends check'\n"
+        "assert not jax_compat.backends_started(), 'importing jaxstrategy started JAX'\n"
+        "import jax\n"
+        "jax.devices()\n"
+        "assert jax_compat.backends_started(), 'backends_started() misses a started JAX'\n"
     )
     completed = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr
