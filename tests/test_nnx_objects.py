@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,3 +363,21 @@ def test_replaced_optimizers_and_dropped_step_functions_are_freed(strategy_cpu1)
         del optimizer, step, momentum
     gc.collect()
     assert [ref() is None for ref in freed] == [True] * 5
+
+
+def test_updating_objects_under_an_outer_jit_is_nnx_s_trace_error_and_changes_nothing(strategy_cpu1):
+    # The write-back skips one of NNX's two trace checks per Variable; the other must still refuse
+    # tracers (values of the outer jit) for Variables made outside it.
+    layer = strategy_cpu1.put(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    bias = np.asarray(layer.bias[...])
+
+    def bump(layer, x):
+        layer.bias[...] = layer.bias[...] + x.sum()
+        return x
+
+    with pytest.raises(
+        flax.errors.TraceContextError, match="Cannot mutate Param from a different trace level"
+    ):
+        jax.jit(lambda x: strategy_cpu1.run(bump, args=(layer, x)))(jnp.ones(2))
+    np.testing.assert_array_equal(layer.bias[...], bias)
+    assert not isinstance(layer.bias.get_raw_value(), jax.core.Tracer)

@@ -210,7 +210,10 @@ def run_with_objects(
         )
     if all(traversal.are_variables):
         for variable, value in zip(traversal.leaves, new_values, strict=True):
-            variable.set_raw_value(value)
+            # The assignment inside `set_raw_value` checks the trace again (`Variable.__setattr__`),
+            # so skipping its first check loses nothing (flax 0.12.8) and halves their cost: ~1 us
+            # a Variable, 20 of them per step for an MLP and its optimizer.
+            variable.set_raw_value(value, _unsafe_bypass_check=True)
     else:  # Arrays held as plain attributes: rebuilt objects give them back by attribute.
         nnx = _nnx()
         nnx.update(found.objects, nnx.state(nnx.graph.unflatten(traversal.graphdef, new_values)))
