@@ -8,7 +8,8 @@ loop trains one epoch of `--steps` batches from the same in-memory numpy data:
 * jit: a bare `jax.jit` step over pure-jnp parameters and `optax.adam`, each numpy batch passed
   straight to it (the transfer happens inside the call), `float(loss)` every step.
 * run (pytree): the same step through `strategy.run`, the batches from
-  `strategy.experimental_distribute_dataset` (placed ahead by its background thread).
+  `strategy.experimental_distribute_dataset` (placed on the calling thread: the default for a
+  source in memory on CPU devices).
 * run (pytree, thread): the same, with `InputOptions(experimental_per_replica_buffer_size=2)`,
   which places batches ahead from a background thread: what the thread costs or saves (by
   default, on CPU devices, a source in memory is placed on the calling thread).

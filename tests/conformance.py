@@ -131,6 +131,42 @@ class StrategyConformance:
         with pytest.raises(jaxstrategy.StrategyContextError, match=r"requires the cross-replica context"):
             strategy_under_test.run(outer, args=(1,))
 
+    def test_a_compiled_step_still_checks_where_it_is_called(self, strategy_under_test):
+        # run's fast path calls a compiled step with few checks: it must still refuse the replica
+        # context and another strategy's scope.
+        strategy_under_test.run(_double, args=(jnp.ones(2),))  # Compiled: the fast path from now.
+        strategy_under_test.run(_double, args=(jnp.ones(2),))
+        others = (jaxstrategy.OneDeviceStrategy(device) for device in jax.local_devices())
+        other = next(o for o in others if o != strategy_under_test)
+        with (
+            other.scope(),
+            pytest.raises(jaxstrategy.StrategyContextError, match=r"Mixing different Strategy"),
+        ):
+            strategy_under_test.run(_double, args=(jnp.ones(2),))
+
+        def outer(x):
+            return strategy_under_test.run(_double, args=(x,))
+
+        with pytest.raises(jaxstrategy.StrategyContextError, match=r"requires the cross-replica context"):
+            strategy_under_test.run(outer, args=(jnp.ones(2),))
+
+    def test_a_step_compiled_for_arrays_still_updates_a_module_nested_in_the_arguments(
+        self, strategy_under_test
+    ):
+        layer = strategy_under_test.put(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+
+        def step(inputs):
+            held = inputs["held"]
+            if isinstance(held, nnx.Module):
+                held.bias[...] = held.bias[...] + 1
+                return held.bias[...]
+            return held * 2
+
+        strategy_under_test.run(step, args=({"held": jnp.ones(1)},))  # Compiled for an array.
+        strategy_under_test.run(step, args=({"held": layer},))
+        strategy_under_test.run(step, args=({"held": layer},))
+        assert layer.bias[...].tolist() == [2.0]
+
     def test_run_compiles_once_for_python_ints(self, strategy_under_test):
         chex.clear_trace_counter()  # chex counts per code object, across parametrized runs.
 

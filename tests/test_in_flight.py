@@ -46,10 +46,10 @@ def test_one_thread_at_a_time_dispatches(waited):
     entered_second: list[str] = []
     limit = InFlightLimit(wait_every=100)
     slow, fast = limit.wrap(slow_dispatch), limit.wrap(lambda: entered_second.append("fast"))
-    first = threading.Thread(target=slow)
+    first = threading.Thread(target=slow, daemon=True)
     first.start()
     assert inside.wait(THREAD_TIMEOUT_S)
-    second = threading.Thread(target=fast)
+    second = threading.Thread(target=fast, daemon=True)
     second.start()
     second.join(timeout=0.2)
     assert second.is_alive() and entered_second == []  # Waiting for the first to dispatch.
@@ -68,7 +68,7 @@ def test_errors_pass_through_uncounted_and_release_the_lock(waited):
     with pytest.raises(RuntimeError, match="boom"):
         limit.wrap(fail)()
     assert waited == []
-    other = threading.Thread(target=limit.wrap(lambda: 1))
+    other = threading.Thread(target=limit.wrap(lambda: 1), daemon=True)
     other.start()
     other.join(timeout=THREAD_TIMEOUT_S)
     assert not other.is_alive() and waited == [1]

@@ -146,6 +146,8 @@ class StepCache:
             return NOT_COMPILED
         try:
             return compiled(*args)
+        except NeedsSlowPath:
+            pass
         except TypeError:
             if not has_static_leaves(args):
                 raise
@@ -249,6 +251,12 @@ class StepCache:
 
 def _admit_all(args: tuple[Any, ...]) -> bool:
     return True
+
+
+class NeedsSlowPath(Exception):
+    """Raised by a `program` while tracing a fast wrapper, for arguments that only `__call__` may
+    take (such as objects inside the arguments that the caller unpacks there): `call_fast` then
+    answers `NOT_COMPILED`. The failed trace is not kept, so each such call traces again."""
 
 
 class LayoutChanged(ValueError):

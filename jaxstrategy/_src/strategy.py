@@ -27,7 +27,7 @@ from jaxstrategy._src.options import InputOptions, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.replica_batches import ReplicaLayout
 from jaxstrategy._src.step_arguments import jit_options
-from jaxstrategy._src.step_cache import NOT_COMPILED, StepCache
+from jaxstrategy._src.step_cache import NOT_COMPILED, NeedsSlowPath, StepCache
 from jaxstrategy._src.tree_checks import has_wide_host_leaf, require_representable
 from jaxstrategy._src.types import PyTree, StepFn
 from jaxstrategy._src.variables import place_tree
@@ -74,12 +74,28 @@ class Strategy(abc.ABC):
         steps = StepCache(
             in_shardings=self._run_input_shardings,
             out_shardings=self._run_output_sharding,
-            program=self._replica_program,
+            program=self._run_program,
             caller=f"{type(self).__name__}.run()",
             in_flight_limit=self._run_in_flight_limit,
             admits=self._admits_fast_call,
         )
         return self.__dict__.setdefault("_run_steps", steps)
+
+    def _run_program(self, fn: StepFn) -> StepFn:
+        """`_replica_program(fn)`, refusing, when traced, NNX objects nested in the arguments.
+
+        `_admits_fast_call` looks at the top-level arguments only (it runs every step); a Module
+        inside a dict would reach a step compiled for arrays as a plain pytree, and its updates
+        would be lost. This check costs nothing per step: it runs when a call traces.
+        """
+        program = self._replica_program(fn)
+
+        def checked(*args: Any, **kwargs: Any) -> PyTree:
+            if nnx_objects.find_objects((args, kwargs)) is not None:
+                raise NeedsSlowPath("NNX objects among the arguments: run unpacks them.")
+            return program(*args, **kwargs)
+
+        return checked
 
     def _admits_fast_call(self, args: tuple[Any, ...]) -> bool:
         """Whether `run` with these positional arguments may call a step compiled before, as
