@@ -125,28 +125,30 @@ class ArgumentRoles:
         leaf_shardings = shardings_of(len(path_leaves))
         kinds: list[int] = []
         static: list[Any] = []
-        split = SplitArguments(StaticSpec(treedef, (), ()), [], [], [], [])
+        donated: list[Any] = []
+        kept: list[Any] = []
+        donated_shardings: list[Any] = []
+        kept_shardings: list[Any] = []
         unhashable: list[str] = []
-        donated_at: dict[int, str] = {}  # id of each donated array -> where it was passed
+        donated_at: dict[int, Any] = {}  # id of each donated array -> its path
         for (path, leaf), sharding in zip(path_leaves, leaf_shardings, strict=True):
-            where = format_argument_path(path)
             if self._is_static(path, leaf):
                 kinds.append(_STATIC)
                 static.append(leaf)
                 if not _is_hashable(leaf):
-                    unhashable.append(f"{where} is a {type(leaf).__name__}")
+                    unhashable.append(f"{format_argument_path(path)} is a {type(leaf).__name__}")
             elif _names(path, self.donate_argnums, self.donate_argnames):
                 kinds.append(_DONATED)
-                split.donated.append(leaf)
-                split.donated_shardings.append(sharding)
+                donated.append(leaf)
+                donated_shardings.append(sharding)
                 if isinstance(leaf, jax.Array):  # Only arrays have buffers; Python numbers are shared.
                     if id(leaf) in donated_at:
-                        raise self._donated_twice(donated_at[id(leaf)], where)
-                    donated_at[id(leaf)] = where
+                        raise self._donated_twice(donated_at[id(leaf)], path)
+                    donated_at[id(leaf)] = path
             else:
                 kinds.append(_KEPT)
-                split.kept.append(leaf)
-                split.kept_shardings.append(sharding)
+                kept.append(leaf)
+                kept_shardings.append(sharding)
         if unhashable:
             raise TypeError(
                 f"{self.caller}: compile-time constants (arguments that are not arrays, and those "
@@ -154,12 +156,14 @@ class ArgumentRoles:
                 f"are not:{bullet_list(unhashable)}\nPass them as arrays, make them hashable (a "
                 "tuple instead of a list, a frozen dataclass), or close over them in the function."
             )
-        for path, leaf in path_leaves:
-            donated_here = _names(path, self.donate_argnums, self.donate_argnames)
-            if isinstance(leaf, jax.Array) and id(leaf) in donated_at and not donated_here:
-                raise self._donated_twice(donated_at[id(leaf)], format_argument_path(path))
+        if donated_at:  # A donated array must not also be passed where it is not donated.
+            for path, leaf in path_leaves:
+                if isinstance(leaf, jax.Array) and id(leaf) in donated_at:
+                    if not _names(path, self.donate_argnums, self.donate_argnames):
+                        raise self._donated_twice(donated_at[id(leaf)], path)
         typed_static = tuple((type(leaf), leaf) for leaf in static)
-        return split._replace(spec=StaticSpec(treedef, tuple(kinds), typed_static))
+        spec = StaticSpec(treedef, tuple(kinds), typed_static)
+        return SplitArguments(spec, donated, kept, donated_shardings, kept_shardings)
 
     def _is_static(self, path: tuple[Any, ...], leaf: Any) -> bool:
         return (
@@ -186,7 +190,9 @@ class ArgumentRoles:
                 "only, so pass a named argument as a keyword."
             )
 
-    def _donated_twice(self, donated_at: str, also_at: str) -> ValueError:
+    def _donated_twice(self, donated_path: Any, also_path: Any) -> ValueError:
+        # Paths are formatted only here: the slow path sorts every leaf on every call.
+        donated_at, also_at = format_argument_path(donated_path), format_argument_path(also_path)
         return ValueError(
             f"{self.caller}: the same array is passed as {donated_at} and as {also_at}, and "
             f"{donated_at} is donated (RunOptions.donate_argnums / donate_argnames). Donation "
