@@ -194,6 +194,56 @@ def test_options_of_the_wrong_type():
         OneDeviceStrategy().experimental_distribute_dataset([], options={})
 
 
+# --- data already on the devices -------------------------------------------------------------
+
+
+def test_batches_already_on_the_device_are_delivered_as_they_are(strategy_cpu1):
+    placed = strategy_cpu1.put([{"x": np.arange(4.0) + i, "y": np.arange(4) * i} for i in range(3)])
+    out = list(strategy_cpu1.experimental_distribute_dataset(placed))
+    assert all(o["x"] is p["x"] and o["y"] is p["y"] for o, p in zip(out, placed, strict=True))
+
+
+def test_jax_leaves_elsewhere_are_moved_to_the_device_beside_numpy_leaves(strategy_cpu1):
+    source = [
+        {
+            "other_device": jax.device_put(jnp.arange(3.0), jax.devices()[0]),
+            "uncommitted": jnp.arange(3) * 2,
+            "numpy": np.full(3, 7.0, np.float32),
+        }
+    ]
+    (out,) = list(strategy_cpu1.experimental_distribute_dataset(source))
+    assert {k: v.tolist() for k, v in out.items()} == {
+        "other_device": [0.0, 1.0, 2.0],
+        "uncommitted": [0, 2, 4],
+        "numpy": [7.0, 7.0, 7.0],
+    }
+    assert all(leaf.devices() == {strategy_cpu1.device} and leaf.committed for leaf in out.values())
+
+
+@pytest.mark.parametrize("where", ["replicated", "one device"])
+def test_mirrored_splits_and_pads_jax_batches_as_it_does_numpy_ones(where):
+    strategy = MirroredStrategy(jax.devices()[:2])
+    # 5 examples over 2 replicas: padded to 3 each, with a mask; values differ per batch.
+    host = [{"x": np.arange(10.0).reshape(5, 2) * (i + 1), "y": np.arange(5) + i} for i in range(3)]
+    on_devices = strategy.put(host) if where == "replicated" else jax.device_put(host, jax.devices()[1])
+    options = InputOptions(partial_batch="pad")
+
+    def local_results(source):
+        batches = strategy.experimental_distribute_dataset(source, options)
+        return [jax.tree.map(np.asarray, strategy.experimental_local_results(b)) for b in batches]
+
+    expected, got = local_results(host), local_results(on_devices)
+    assert len(got) == 3
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+    assert got[0][1][0]["x"].tolist() == [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]], "replica 1: rows 3, 4, padding"
+
+
+def test_jax_batches_are_host_arrays_without_fetch_to_device():
+    options = InputOptions(experimental_fetch_to_device=False)
+    (out,) = list(OneDeviceStrategy().experimental_distribute_dataset([jnp.arange(3)], options))
+    assert isinstance(out, np.ndarray) and out.tolist() == [0, 1, 2]
+
+
 # --- safety ------------------------------------------------------------------------------------
 
 

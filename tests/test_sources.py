@@ -3,6 +3,7 @@ test_input_lib.py; here the functions themselves)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -59,16 +60,27 @@ def test_in_memory_sources():
 
 def test_host_elements_are_private_numpy_copies():
     buffer = np.zeros(2)
-    (element,) = host_elements(iter([{"x": buffer, "n": 3}]))
+    (element,) = host_elements(iter([{"x": buffer, "n": 3}]), keep_jax_arrays=True)
     buffer[:] = 1
     n, x = element.leaves  # In key order.
     assert x.tolist() == [0.0, 0.0] and n.tolist() == 3
     assert all(isinstance(leaf, np.ndarray) for leaf in element.leaves)
 
 
+@pytest.mark.parametrize("keep_jax_arrays", [True, False])
+def test_host_elements_keep_jax_arrays_only_when_asked(keep_jax_arrays):
+    array = jax.numpy.arange(3)
+    (element,) = host_elements(iter([array]), keep_jax_arrays=keep_jax_arrays)
+    (leaf,) = element.leaves
+    if keep_jax_arrays:
+        assert leaf is array
+    else:
+        assert isinstance(leaf, np.ndarray) and leaf.tolist() == [0, 1, 2]
+
+
 def test_host_elements_name_every_leaf_that_is_not_an_array():
     with pytest.raises(TypeError, match=r"(?s)batch\['a'\] is a str.*batch\['c'\] is a object"):
-        list(host_elements(iter([{"a": "text", "b": np.zeros(1), "c": object()}])))
+        list(host_elements(iter([{"a": "text", "b": np.zeros(1), "c": object()}]), keep_jax_arrays=True))
 
 
 def test_cardinality_of():

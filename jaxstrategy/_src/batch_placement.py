@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -56,8 +56,9 @@ class BatchPlacer:
         if isinstance(batch, DroppedBatch):
             return batch  # Passed on for the consumer to warn about.
         leaves = batch.leaves if batch.mask is None else [*batch.leaves, batch.mask]
-        placed: list[Any] = self._place(leaves) if self._on_device else leaves
-        signature = _Signature(batch.treedef, tuple((tuple(np.shape(x)), _dtype_of(x)) for x in placed))
+        placed: Sequence[Any] = self._place(leaves) if self._on_device else [np.asarray(x) for x in leaves]
+        # Every leaf is an array by now (jax, or numpy on the host): it has a shape and a dtype.
+        signature = _Signature(batch.treedef, tuple((x.shape, x.dtype) for x in placed))
         if self._layout.stacked:
             placed = [PerReplica(x) for x in placed]
         value = jax.tree.unflatten(batch.treedef, placed[: len(batch.leaves)])
@@ -65,17 +66,28 @@ class BatchPlacer:
             value = (value, placed[-1])
         return PlacedBatch(value, signature)
 
-    def _place(self, leaves: list[np.ndarray]) -> list[jax.Array]:
-        if isinstance(self._layout.sharding, jax.sharding.SingleDeviceSharding):
-            return list(_one_device_placer(self._layout.sharding)(*leaves))
-        if not self._layout.is_multi_process:
-            return put_private(leaves, self._layout.sharding)
-        # This process holds its own replicas' rows; JAX assembles the global array from them.
-        n = self._layout.num_replicas
-        return [
-            jax.make_array_from_process_local_data(self._layout.sharding, leaf, (n, *leaf.shape[1:]))
-            for leaf in leaves
-        ]
+    def _place(self, leaves: Sequence[np.ndarray | jax.Array]) -> Sequence[Any]:
+        sharding = self._layout.sharding
+        if self._layout.is_multi_process:
+            # This process holds its own replicas' rows; JAX assembles the global array from them.
+            n = self._layout.num_replicas
+            return [
+                jax.make_array_from_process_local_data(sharding, leaf, (n, *leaf.shape[1:]))
+                for leaf in leaves
+            ]
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding) and not any(
+            isinstance(leaf, jax.Array) for leaf in leaves
+        ):
+            return list(_one_device_placer(sharding)(*leaves))
+        # Jax arrays already placed as the step wants them are used as they are, at no cost: the
+        # recipe for data that fits on the device (see the performance guide).
+        moved = [i for i, leaf in enumerate(leaves) if not _is_placed(leaf, sharding)]
+        if not moved:
+            return leaves
+        placed = list(leaves)
+        for i, leaf in zip(moved, put_private([leaves[i] for i in moved], sharding), strict=True):
+            placed[i] = leaf
+        return placed
 
 
 @functools.lru_cache(maxsize=16)
@@ -88,8 +100,8 @@ def _one_device_placer(sharding: jax.sharding.Sharding) -> Callable[..., tuple[j
     return jax.jit(lambda *leaves: leaves, out_shardings=sharding)
 
 
-def _dtype_of(leaf: Any) -> np.dtype:
-    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+def _is_placed(leaf: Any, sharding: jax.sharding.Sharding) -> bool:
+    return isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding == sharding
 
 
 class BatchTracker:
@@ -106,7 +118,7 @@ class BatchTracker:
         if self.element_spec is None:
             self._first = batch.signature
             self.element_spec = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=self._sharding),
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._sharding),
                 batch.value,
             )
 

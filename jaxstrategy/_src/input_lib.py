@@ -181,6 +181,7 @@ class DistributedDataset:
             caller=caller,
         )
         self._placer = BatchPlacer(layout, on_device=on_device)
+        self._keep_jax_arrays = not layout.stacked  # See `host_elements`.
         self._caller = caller
         # Where processes read their own inputs, they agree batch by batch where a pass ends.
         self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
@@ -213,7 +214,7 @@ class DistributedDataset:
         # Reading, copying and laying out batches happen with placement: in the producer thread,
         # or, without one, in the thread that takes the batch.
         batches: Iterator[HostBatch | DroppedBatch] = self._batcher.batches(
-            [host_elements(reader) for reader in readers]
+            [host_elements(reader, keep_jax_arrays=self._keep_jax_arrays) for reader in readers]
         )
         stopped = threading.Event()
         if self._agreement_namespace is not None:

@@ -68,23 +68,25 @@ class ReplicaLayout:
 
 @dataclasses.dataclass(frozen=True)
 class HostElement:
-    """One element of a source, as host arrays (already private copies) and their structure."""
+    """One element of a source: its leaves and their structure. The leaves are numpy arrays
+    (private copies), or for a layout that is not stacked, jax arrays as the source gave them."""
 
-    leaves: list[np.ndarray]
+    leaves: list[np.ndarray | jax.Array]
     treedef: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
-    """What one step receives, still on the host.
+    """What one step receives, not yet placed.
 
     Attributes:
-      leaves: the batch's leaves; when stacked, each has a new leading axis, one entry per replica.
+      leaves: the batch's leaves, as `HostElement`'s; when stacked, each has a new leading axis,
+        one entry per replica.
       treedef: the batch's structure.
       mask: with `partial_batch='pad'`, True for real examples (stacked like the leaves).
     """
 
-    leaves: list[np.ndarray]
+    leaves: Sequence[np.ndarray | jax.Array]
     treedef: Any
     mask: np.ndarray | None
 
@@ -147,11 +149,13 @@ class ReplicaBatcher:
             yield self._stack(group)
 
     def _split(self, element: HostElement) -> HostBatch | DroppedBatch:
-        size = _batch_size(element)
         pad = self._policy == "pad"
         if not self._stacked:  # One replica takes each batch whole.
-            mask = np.ones(() if size is None else (size,), bool) if pad else None
-            return HostBatch(element.leaves, element.treedef, mask)
+            if not pad:
+                return HostBatch(element.leaves, element.treedef, None)
+            size = _batch_size(element)
+            return HostBatch(element.leaves, element.treedef, np.ones(() if size is None else (size,), bool))
+        size = _batch_size(element)
         if size is None and self._n == 1:  # One replica takes the element whole, as one device does.
             mask = np.ones((1,), bool) if pad else None
             return HostBatch([leaf[None] for leaf in element.leaves], element.treedef, mask)
@@ -256,7 +260,7 @@ def _batch_size(element: HostElement) -> int | None:
     return sizes.pop()
 
 
-def _pad_to(leaf: np.ndarray, length: int | None) -> np.ndarray:
+def _pad_to(leaf: np.ndarray | jax.Array, length: int | None) -> Any:
     """`leaf` padded with zeros along axis 0 to `length` (None: unchanged)."""
     if length is None or leaf.shape[0] == length:
         return leaf

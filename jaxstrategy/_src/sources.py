@@ -59,13 +59,17 @@ def is_in_memory(dataset: Any) -> bool:
     return isinstance(dataset, _IN_MEMORY)
 
 
-def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
-    """The elements of `source` as numpy leaves, each copied once.
+def host_elements(source: Iterator[Any], *, keep_jax_arrays: bool) -> Iterator[HostElement]:
+    """The elements of `source` as array leaves: numpy arrays, each copied once, and with
+    `keep_jax_arrays` jax arrays as they are.
 
     Leaves become numpy arrays first (anything with `__array__` or `.numpy()`: torch and
     TensorFlow tensors included). Each is copied (see `variables.private_copy`), so a source that
-    refills one buffer for every batch cannot change batches already delivered; JAX then uses the
-    copy without copying again.
+    refills one buffer for every batch cannot change batches already delivered. Jax arrays cannot
+    change, and may already be on the strategy's device, where they are used as they are: no
+    copy, and on an accelerator no round trip through host memory. Batches split over replicas
+    take jax arrays as numpy instead: the split is free on the host, where on a device each leaf
+    would be one more program a step.
 
     Raises:
       TypeError: a leaf cannot be an array; every such leaf is named by its path.
@@ -83,7 +87,13 @@ def host_elements(source: Iterator[Any]) -> Iterator[HostElement]:
             require_representable(
                 jax.tree.unflatten(treedef, host), caller="the distributed dataset", name="element"
             )
-        yield HostElement([np.asarray(private_copy(leaf)) for leaf in host], treedef)
+        yield HostElement([_private_array(leaf, keep_jax_arrays) for leaf in host], treedef)
+
+
+def _private_array(leaf: Any, keep_jax_arrays: bool) -> Any:
+    if keep_jax_arrays and isinstance(leaf, jax.Array):
+        return leaf
+    return np.asarray(private_copy(leaf))
 
 
 def _to_host_array(leaf: Any) -> Any:
