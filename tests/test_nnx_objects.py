@@ -381,3 +381,36 @@ def test_updating_objects_under_an_outer_jit_is_nnx_s_trace_error_and_changes_no
         jax.jit(lambda x: strategy_cpu1.run(bump, args=(layer, x)))(jnp.ones(2))
     np.testing.assert_array_equal(layer.bias[...], bias)
     assert not isinstance(layer.bias.get_raw_value(), jax.core.Tracer)
+
+
+@pytest.mark.parametrize("plain_attributes", [False, True])
+def test_only_the_state_a_step_changes_leaves_it_and_is_written_back(four, plain_attributes):
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.calls = (
+                jnp.zeros((), jnp.int32) if plain_attributes else nnx.Variable(jnp.zeros((), jnp.int32))
+            )
+
+    model = four.put(Counted())
+    weights_before = jax.tree.leaves(nnx.state(model.linear))
+    batch, host = _batch(four)
+
+    def evaluate(model, batch):  # Reads the weights and counts the call: the weights stay as they were.
+        if plain_attributes:
+            model.calls = model.calls + 1
+        else:
+            model.calls[...] += 1
+        return jaxstrategy.get_replica_context().all_reduce("mean", jnp.mean(model.linear(batch["x"])))
+
+    for _ in range(2):
+        mean = four.run(evaluate, args=(model, batch))
+    np.testing.assert_allclose(
+        float(mean),
+        np.mean(host["x"] @ np.asarray(model.linear.kernel[...]) + np.asarray(model.linear.bias[...])),
+        rtol=1e-6,
+    )
+    # The very same arrays: the program neither returned them (an XLA copy each call) nor were they
+    # written back.
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model.linear)), weights_before, strict=True))
+    assert int(model.calls if plain_attributes else model.calls[...]) == 2
