@@ -52,6 +52,22 @@ def test_updates_that_differ_between_replicas_are_an_error_and_change_nothing(fo
     assert int(optimizer.step[...]) == 0
 
 
+def test_updates_that_differ_between_replicas_of_donated_objects_say_their_state_is_lost(four):
+    model = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    optimizer = four.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    batch, _ = _batch(four)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)args\[0\].kernel\n.*the objects' state was donated \(RunOptions\), so they now hold "
+        r"deleted arrays there: rebuild them, or restore a checkpoint",
+    ):
+        four.run(
+            _own_gradient_step, args=(model, optimizer, batch), options=RunOptions(donate_argnums=(0, 1))
+        )
+    assert model.kernel.get_raw_value().is_deleted()
+    assert int(optimizer.step[...]) == 1, "what was the same on every replica was written back"
+
+
 def test_one_device_takes_the_replica_s_own_gradient(strategy_cpu1):
     model = strategy_cpu1.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
     optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
@@ -158,12 +174,70 @@ def test_put_places_in_place_beside_other_leaves(four):
     assert_tree_on_strategy({"state": nnx.state(model), "scale": placed["scale"]}, four)
 
 
-def test_donation_and_static_options_are_refused_with_objects():
+def test_static_options_are_refused_with_objects():
     model = OneDeviceStrategy().put(_Growing())
     with pytest.raises(
-        ValueError, match=r"donated and static arguments cannot be combined with Flax NNX objects"
+        ValueError,
+        match=r"RunOptions' static arguments cannot be combined with Flax NNX objects.*nnx.split",
     ):
-        OneDeviceStrategy().run(_grow, args=(model,), options=RunOptions(donate_argnums=0))
+        OneDeviceStrategy().run(
+            lambda m, flag: None, args=(model, True), options=RunOptions(static_argnums=1)
+        )
+
+
+def test_donating_an_argument_that_is_no_object_beside_objects_is_a_clear_error():
+    strategy = OneDeviceStrategy()
+    model = strategy.put(_Growing())
+    with pytest.raises(
+        ValueError,
+        match=r"RunOptions may donate only arguments that are objects.*but args\[1\] is not\. Donate the objects",
+    ):
+        strategy.run(
+            lambda m, x: x, args=(model, strategy.put(jnp.ones(2))), options=RunOptions(donate_argnums=(0, 1))
+        )
+
+
+class _WithFrozen(nnx.Module):
+    """A linear model and a Variable that no step changes."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        self.frozen = nnx.Variable(jnp.arange(3.0))
+
+
+def _sgd_step(model, optimizer, batch):
+    loss_fn = lambda m: jnp.mean((m.linear(batch["x"] + m.frozen[...])[:, 0] - batch["y"]) ** 2)  # noqa: E731
+    grads = nnx.grad(loss_fn)(model)
+    optimizer.update(model, jaxstrategy.get_replica_context().all_reduce("mean", grads))
+
+
+@pytest.mark.parametrize("strategy_name", ["one device", "four replicas"])
+def test_donated_objects_train_as_undonated_ones_and_give_up_their_old_arrays(strategy_name, four):
+    strategy = OneDeviceStrategy() if strategy_name == "one device" else four
+    batch, host = _batch(strategy, size=8)
+
+    def train(options):
+        model = strategy.put(_WithFrozen())
+        optimizer = strategy.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+        first_kernel = model.linear.kernel.get_raw_value()
+        for _ in range(3):
+            strategy.run(_sgd_step, args=(model, optimizer, batch), options=options)
+        return model, first_kernel
+
+    donated, donated_first = train(RunOptions(donate_argnums=(0, 1)))
+    kept, kept_first = train(None)
+    assert donated_first.is_deleted() and not kept_first.is_deleted()
+    # SGD from numpy: each step's gradient is the whole batch's mean (the replicas' average).
+    w, b = np.asarray(kept_first), np.zeros(1, np.float32)
+    x = host["x"] + np.arange(3.0, dtype=np.float32)
+    for _ in range(3):
+        error = x @ w + b - host["y"][:, None]
+        w, b = w - 0.1 * 2 * x.T @ error / 8, b - 0.1 * 2 * error.mean(0)
+    for model in (donated, kept):
+        np.testing.assert_allclose(np.asarray(model.linear.kernel[...]), w, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(model.linear.bias[...]), b, rtol=1e-5)
+        # Never changed, yet donated: it came back out of the program, and is still usable.
+        assert np.asarray(model.frozen[...]).tolist() == [0.0, 1.0, 2.0]
 
 
 def test_a_module_built_by_init_lands_on_the_strategy(four):

@@ -26,12 +26,13 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 
 from jaxstrategy._src.errors import bullet_list, format_argument_path
 from jaxstrategy._src.jax_compat import is_tracer
+from jaxstrategy._src.options import RunOptions
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.step_cache import function_key, weak_resolver
 from jaxstrategy._src.types import PyTree
@@ -179,35 +180,89 @@ def put_objects(found: Found, place: Callable[[PyTree], PyTree]) -> PyTree:
     return found.holes.fill(found.objects, placed_others)
 
 
+def donated_objects(
+    found: Found, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions, caller: str
+) -> frozenset[int]:
+    """The positions in `found.objects` of the objects that `options` donates: the arguments it
+    names, each of which must be an object (its Variables' arrays are donated).
+
+    Raises:
+      ValueError: a donated argument is not an NNX object.
+    """
+    argnums = cast(tuple[int, ...], options.donate_argnums)  # RunOptions makes both tuples.
+    argnames = cast(tuple[str, ...], options.donate_argnames)
+    named = [(f"args[{i}]", args[i]) for i in argnums if i < len(args)]
+    named += [(f"kwargs[{name!r}]", kwargs[name]) for name in argnames if name in kwargs]
+    others = [name for name, value in named if not _is_object(value)]
+    if others:
+        raise ValueError(
+            f"{caller}: with Flax NNX objects among the arguments, RunOptions may donate only "
+            f"arguments that are objects (their Variables' arrays are donated), but "
+            f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not. Donate the objects "
+            "alone, or pass their state (nnx.split) and the rest as pytrees."
+        )
+    donated_ids = {id(value) for _, value in named}
+    return frozenset(i for i, obj in enumerate(found.objects) if id(obj) in donated_ids)
+
+
 def run_with_objects(
-    run: Callable[..., PyTree], fn: Callable[..., PyTree], found: Found, caller: str
+    run: Callable[..., PyTree],
+    fn: Callable[..., PyTree],
+    found: Found,
+    caller: str,
+    donated: frozenset[int] = frozenset(),
 ) -> PyTree:
-    """`run(fn, args, kwargs)` for arguments holding objects, whose new state `fn` leaves in them.
+    """`run(fn, args, kwargs, options)` for arguments holding objects, whose new state `fn` leaves
+    in them.
 
     Args:
-      run: the strategy's `run` of a function, positional and keyword arguments, without options.
+      run: the strategy's `run` of a function, positional and keyword arguments, and `RunOptions`
+        (or None).
       fn: the user's function.
       found: the objects in `(args, kwargs)`, and the rest of them.
       caller: the call to name in messages.
+      donated: the positions in `found.objects` of the objects whose state is donated.
     """
     traversal = _traverse(found.objects)
     values = [
         leaf.get_raw_value() if is_variable else leaf
         for leaf, is_variable in zip(traversal.leaves, traversal.are_variables, strict=True)
     ]
-    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller)
-    outputs, changed = run(step, (values, found.others), {})
+    # A Variable reached from a donated object first is donated (each is traversed once).
+    donated_leaves = tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated)
+    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves)
+    if donated_leaves:
+        kept = set(range(len(values))).difference(donated_leaves)
+        arguments = ([values[i] for i in donated_leaves], [values[i] for i in sorted(kept)], found.others)
+        outputs, changed = run(step, arguments, {}, _DONATE_FIRST)
+    else:
+        outputs, changed = run(step, ([], values, found.others), {}, None)
     replicas_differ = [i for i, value in changed.items() if isinstance(value, PerReplica)]
     if replicas_differ:
         names = [_variable_name(traversal.paths[i], found.paths) for i in replicas_differ]
+        if donated_leaves:  # Their old arrays were given to the program: keep what can be kept.
+            _write_back(
+                found, traversal, values, {i: v for i, v in changed.items() if i not in replicas_differ}
+            )
+        left = (
+            "so the objects were left as they were"
+            if not donated_leaves
+            else "and the objects' state was donated (RunOptions), so they now hold deleted arrays "
+            "there: rebuild them, or restore a checkpoint"
+        )
         raise ValueError(
             f"{caller}: fn updated these Variables of its Flax NNX arguments with values that may "
             f"differ between replicas:{bullet_list(names)}\nA Variable holds one value for every "
-            "replica, so the objects were left as they were. Make the update the same everywhere: "
+            f"replica, {left}. Make the update the same everywhere: "
             "all-reduce the gradients before optimizer.update (get_replica_context().all_reduce"
             "('mean', grads)), and give nnx.BatchNorm axis_name='replica' so that its statistics "
             "are averaged."
         )
+    _write_back(found, traversal, values, changed)
+    return outputs
+
+
+def _write_back(found: Found, traversal: _Traversal, values: list[Any], changed: dict[int, Any]) -> None:
     if all(traversal.are_variables):
         for i, value in changed.items():
             # The assignment inside `set_raw_value` checks the trace again (`Variable.__setattr__`),
@@ -218,7 +273,6 @@ def run_with_objects(
         nnx = _nnx()
         new_values = [changed.get(i, value) for i, value in enumerate(values)]
         nnx.update(found.objects, nnx.state(nnx.graph.unflatten(traversal.graphdef, new_values)))
-    return outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +317,9 @@ class _GraphDefKey:
         except TypeError:
             return False
 
+
+# How `run_with_objects` donates: the first argument of its step holds the donated state leaves.
+_DONATE_FIRST = RunOptions(donate_argnums=0)
 
 # The last traversals, by the ids of the objects traversed. A step's objects are usually the same
 # from call to call, and the traversal (~0.3 ms for an MLP and its optimizer, measured) would
@@ -318,18 +375,22 @@ _STEPS_KEPT = 64
 
 
 def _step_with_objects(
-    fn: Callable[..., PyTree], graphdef_key: _GraphDefKey, holes: _Holes, caller: str
+    fn: Callable[..., PyTree],
+    graphdef_key: _GraphDefKey,
+    holes: _Holes,
+    caller: str,
+    donated: tuple[int, ...],
 ) -> _StepWithObjects:
     """The step `run` compiles for `fn` with objects of this structure, the same object every
     call, so `run` finds it compiled (on its fast path). It holds `fn` weakly, and goes when `fn`
     (or a bound method's object) does."""
-    key = (function_key(fn), graphdef_key, holes, caller)
+    key = (function_key(fn), graphdef_key, holes, caller, donated)
     step = _STEPS.get(key)
     if step is not None:
         _STEPS.move_to_end(key)
         return step
     step = _STEPS[key] = _StepWithObjects(
-        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef_key.graphdef, holes, caller
+        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef_key.graphdef, holes, caller, donated
     )
     if len(_STEPS) > _STEPS_KEPT:
         _STEPS.popitem(last=False)
@@ -354,18 +415,27 @@ class _StepWithObjects:
     graphdef: Any
     holes: _Holes
     caller: str
+    donated: tuple[int, ...]  # The positions, among the state leaves, of the donated ones (ascending).
 
     @property
     def __name__(self) -> str:  # JAX names the compiled program after the user's function.
         return self.name
 
-    def __call__(self, values: list[Any], others: list[Any]) -> tuple[PyTree, dict[int, Any]]:
-        """`fn`'s outputs, and the new values of the state leaves it changed, by position.
+    def __call__(
+        self, donated_values: list[Any], kept_values: list[Any], others: list[Any]
+    ) -> tuple[PyTree, dict[int, Any]]:
+        """`fn`'s outputs, and the new values of the state leaves it changed or that were donated,
+        by position. The state leaves come in two lists: the donated ones, at `self.donated`, and
+        the others.
 
         Only those leave the program: returning a value that `fn` left alone would make XLA copy
         it (measured: 0.5 ms a call for an MLP and its Adam state, in a step that updates nothing),
-        and `run_with_objects` would write it back for nothing.
+        and `run_with_objects` would write it back for nothing. A donated value must come back
+        even unchanged: the array that went in is deleted.
         """
+        values = list(kept_values)
+        for i, value in zip(self.donated, donated_values, strict=True):
+            values.insert(i, value)  # In ascending order, so every earlier position is filled.
         nnx = _nnx()
         objects = nnx.graph.unflatten(self.graphdef, values)
         args, kwargs = self.holes.fill(objects, others)
@@ -381,7 +451,9 @@ class _StepWithObjects:
             )
         # An untouched leaf comes back as the very tracer that went in.
         changed = {
-            i: new for i, (new, old) in enumerate(zip(new_values, values, strict=True)) if new is not old
+            i: new
+            for i, (new, old) in enumerate(zip(new_values, values, strict=True))
+            if new is not old or i in self.donated
         }
         return outputs, changed
 

@@ -26,7 +26,6 @@ from jaxstrategy._src.input_lib import DistributedDataset, DistributedIterator
 from jaxstrategy._src.options import InputOptions, RunOptions
 from jaxstrategy._src.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.replica_batches import ReplicaLayout
-from jaxstrategy._src.step_arguments import jit_options
 from jaxstrategy._src.step_cache import NOT_COMPILED, NeedsSlowPath, StepCache
 from jaxstrategy._src.tree_checks import has_wide_host_leaf, require_representable
 from jaxstrategy._src.types import PyTree, StepFn
@@ -352,20 +351,20 @@ class Strategy(abc.ABC):
         # costs as much as the rest of run's checks.
         require_representable(args, caller=caller, name="args", is_leaf=nnx_objects.is_object)
         require_representable(kwargs, caller=caller, name="kwargs", is_leaf=nnx_objects.is_object)
+        user_args = args
         fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is not None:
-            if any(jit_options(options)):
-                raise ValueError(
-                    f"{caller}: RunOptions' donated and static arguments cannot be combined with Flax "
-                    "NNX objects among the arguments (their state is passed for them). Leave those "
-                    "options out, or pass the objects' state (nnx.split) in their place."
-                )
-
-            def run_state(fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
-                return self._run_steps(fn, args, kwargs, None)
-
-            return nnx_objects.run_with_objects(run_state, fn, found, caller)
+            donated = frozenset[int]()
+            if options is not None:
+                if options.static_argnums or options.static_argnames:
+                    raise ValueError(
+                        f"{caller}: RunOptions' static arguments cannot be combined with Flax NNX "
+                        "objects among the arguments (their state is passed for them). Leave them "
+                        "out, or pass the objects' state (nnx.split) in their place."
+                    )
+                donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
+            return nnx_objects.run_with_objects(self._run_steps, fn, found, caller, donated)
         return self._run_steps(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
