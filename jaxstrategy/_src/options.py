@@ -122,7 +122,7 @@ class RunOptions:
     - `donate_argnums` and `donate_argnames`: the named arguments' arrays are given to the
       computation to reuse for its outputs (and deleted), which saves memory when a step replaces
       its state. An array passed to a donated argument may not be passed anywhere else in the
-      same call.
+      same call. A donated Flax NNX object gives up its Variables' arrays and holds the new ones.
     - `static_argnums` and `static_argnames`: the named arguments are compile-time constants even
       where they are numbers (a `training=True` flag that Python code branches on); each new
       value compiles the function once more. They must be hashable.
