@@ -220,6 +220,41 @@ def test_jax_leaves_elsewhere_are_moved_to_the_device_beside_numpy_leaves(strate
     assert all(leaf.devices() == {strategy_cpu1.device} and leaf.committed for leaf in out.values())
 
 
+def _donating_step(params, batch):
+    # The second output has the batch's shape, so that XLA can take the donated batch's buffer.
+    return params + batch["x"].sum(), batch["x"] * 2
+
+
+def test_a_donated_batch_of_moved_jax_arrays_leaves_the_source_whole():
+    strategy = OneDeviceStrategy()  # JAX's default device, where the source's arrays are.
+    source = [{"x": jnp.arange(4.0) + i} for i in range(2)]  # Uncommitted: moved, so copied.
+    dataset = strategy.experimental_distribute_dataset(source)
+    params = strategy.put(jnp.zeros(()))
+    options = jaxstrategy.RunOptions(donate_argnums=(0, 1))
+    for _ in range(2):  # A second pass reads the same source arrays again.
+        for batch in dataset:
+            params, _ = strategy.run(_donating_step, args=(params, batch), options=options)
+    assert float(params) == 2 * (6.0 + 10.0)
+    assert not any(leaf["x"].is_deleted() for leaf in source)
+
+
+def test_a_donated_batch_delivered_as_it_is_is_a_clear_error_at_the_next_pass(strategy_cpu1):
+    dataset = strategy_cpu1.experimental_distribute_dataset(strategy_cpu1.put([{"x": jnp.arange(4.0)}]))
+    params = strategy_cpu1.put(jnp.zeros(()))
+    options = jaxstrategy.RunOptions(donate_argnums=(0, 1))
+    for batch in dataset:
+        params, _ = strategy_cpu1.run(_donating_step, args=(params, batch), options=options)
+    with pytest.raises(
+        ValueError, match=r"holds an array that was deleted: .*donate only the state, not the batch"
+    ):
+        list(dataset)
+
+
+def test_weakly_typed_jax_leaves_are_typed_as_on_every_strategy(strategy_cpu1):
+    (batch,) = list(strategy_cpu1.experimental_distribute_dataset([{"w": jnp.array(0.5)}]))
+    assert not batch["w"].weak_type and batch["w"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("where", ["replicated", "one device"])
 def test_mirrored_splits_and_pads_jax_batches_as_it_does_numpy_ones(where):
     strategy = MirroredStrategy(jax.devices()[:2])

@@ -58,14 +58,41 @@ def test_updates_that_differ_between_replicas_of_donated_objects_say_their_state
     batch, _ = _batch(four)
     with pytest.raises(
         ValueError,
-        match=r"(?s)args\[0\].kernel\n.*the objects' state was donated \(RunOptions\), so they now hold "
-        r"deleted arrays there: rebuild them, or restore a checkpoint",
+        match=r"(?s)args\[0\].kernel\n.*these of them were donated \(RunOptions\), so they now hold deleted "
+        r"arrays:\n  args\[0\].bias\n  args\[0\].kernel\nRebuild their objects, or restore a checkpoint",
     ):
         four.run(
             _own_gradient_step, args=(model, optimizer, batch), options=RunOptions(donate_argnums=(0, 1))
         )
     assert model.kernel.get_raw_value().is_deleted()
     assert int(optimizer.step[...]) == 1, "what was the same on every replica was written back"
+
+
+def test_only_donated_objects_lose_what_differs_between_replicas(four):
+    differing = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    donated = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    differing_before = np.asarray(differing.bias[...]).copy()
+    differing_kernel_before = np.asarray(differing.kernel[...]).copy()
+    batch, _ = _batch(four)
+
+    def step(differing, donated, batch):
+        differing.bias[...] += batch["y"][:1]  # Each replica's own examples: differs.
+        differing.kernel[...] += 1.0  # The same everywhere, yet not written back: the step failed.
+        donated.bias[...] += jaxstrategy.get_replica_context().all_reduce("mean", batch["y"][:1])
+        donated.kernel[...] += batch["y"][:1]  # Differs, and donated.
+
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)args\[0\].bias\n  args\[1\].kernel\n.*so these were not updated, and these of them were "
+        r"donated \(RunOptions\), so they now hold deleted arrays:\n  args\[1\].kernel\nRebuild their "
+        r"objects, or restore a checkpoint\. The donated objects' other Variables took their new values; "
+        r"objects not donated were left as they were\. Make the update",
+    ):
+        four.run(step, args=(differing, donated, batch), options=RunOptions(donate_argnums=1))
+    np.testing.assert_array_equal(np.asarray(differing.bias[...]), differing_before)
+    np.testing.assert_array_equal(np.asarray(differing.kernel[...]), differing_kernel_before)
+    assert donated.kernel.get_raw_value().is_deleted()
+    assert not donated.bias.get_raw_value().is_deleted()
 
 
 def test_one_device_takes_the_replica_s_own_gradient(strategy_cpu1):
@@ -190,11 +217,51 @@ def test_donating_an_argument_that_is_no_object_beside_objects_is_a_clear_error(
     model = strategy.put(_Growing())
     with pytest.raises(
         ValueError,
-        match=r"RunOptions may donate only arguments that are objects.*but args\[1\] is not\. Donate the objects",
+        match=r"RunOptions may donate only arguments that are themselves objects.*but args\[1\] is not\. Pass each",
     ):
         strategy.run(
             lambda m, x: x, args=(model, strategy.put(jnp.ones(2))), options=RunOptions(donate_argnums=(0, 1))
         )
+
+
+def test_a_donation_option_naming_no_argument_is_an_error_with_objects_too():
+    strategy = OneDeviceStrategy()
+    model = strategy.put(_Growing())
+    with pytest.raises(
+        ValueError,
+        match=r"RunOptions names arguments that this call does not pass \(donate_argnums position 3\)",
+    ):
+        strategy.run(lambda m: None, args=(model,), options=RunOptions(donate_argnums=3))
+
+
+def test_an_array_held_by_a_donated_variable_and_by_another_one_is_a_clear_error():
+    strategy = OneDeviceStrategy()
+    model = strategy.put(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    ema = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
+    nnx.update(ema, nnx.state(model))  # The same arrays, as an EMA copy is often started.
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\]\.(bias|kernel) is donated \(RunOptions\), but the array it holds is also held by "
+        r"args\[1\]\.(bias|kernel)\. Donation deletes the array",
+    ):
+        strategy.run(lambda m, e: None, args=(model, ema), options=RunOptions(donate_argnums=0))
+    assert not model.kernel.get_raw_value().is_deleted(), "refused before anything was donated"
+
+
+class _Stats(nnx.Module):
+    def __init__(self):
+        self.stats = nnx.Variable({"count": jnp.zeros(2)})
+
+
+def _count_in_place(model):
+    model.stats.get_raw_value()["count"] = model.stats.get_raw_value()["count"] + 1  # The same dict.
+
+
+def test_a_variable_s_pytree_changed_in_place_is_written_back(strategy_cpu1):
+    model = strategy_cpu1.put(_Stats())
+    for _ in range(2):
+        strategy_cpu1.run(_count_in_place, args=(model,))
+    assert np.asarray(model.stats.get_raw_value()["count"]).tolist() == [2.0, 2.0]
 
 
 class _WithFrozen(nnx.Module):

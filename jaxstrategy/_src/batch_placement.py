@@ -22,7 +22,7 @@ from jaxstrategy._src.errors import caller_stacklevel
 from jaxstrategy._src.per_replica import PerReplica
 from jaxstrategy._src.replica_batches import DroppedBatch, HostBatch, ReplicaLayout
 from jaxstrategy._src.types import PyTree
-from jaxstrategy._src.variables import put_private
+from jaxstrategy._src.variables import device_put_anywhere, put_private
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +80,30 @@ class BatchPlacer:
         ):
             return list(_one_device_placer(sharding)(*leaves))
         # Jax arrays already placed as the step wants them are used as they are, at no cost: the
-        # recipe for data that fits on the device (see the performance guide).
-        moved = [i for i, leaf in enumerate(leaves) if not _is_placed(leaf, sharding)]
-        if not moved:
-            return leaves
+        # recipe for data that fits on the device (see the performance guide). Numpy leaves are
+        # private copies, which JAX may take over; a jax array that moves is copied, so that a
+        # step donating its batch cannot delete the source's array.
         placed = list(leaves)
-        for i, leaf in zip(moved, put_private([leaves[i] for i in moved], sharding), strict=True):
-            placed[i] = leaf
+        on_host, elsewhere = [], []
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, jax.Array):
+                on_host.append(i)
+            elif not _is_placed(leaf, sharding):
+                elsewhere.append(i)
+            elif leaf.is_deleted():
+                raise ValueError(
+                    "A batch of this distributed dataset holds an array that was deleted: a jax array "
+                    "already on the strategy's device is delivered as it is, and a step donated it "
+                    "(RunOptions(donate_argnums=...) naming the batch). Such a batch belongs to the "
+                    "dataset: donate only the state, not the batch, or give the dataset numpy arrays."
+                )
+        if on_host:
+            for i, leaf in zip(on_host, put_private([leaves[i] for i in on_host], sharding), strict=True):
+                placed[i] = leaf
+        if elsewhere:
+            copies = device_put_anywhere([leaves[i] for i in elsewhere], sharding, may_alias=False)
+            for i, leaf in zip(elsewhere, copies, strict=True):
+                placed[i] = leaf
         return placed
 
 
@@ -100,8 +117,8 @@ def _one_device_placer(sharding: jax.sharding.Sharding) -> Callable[..., tuple[j
     return jax.jit(lambda *leaves: leaves, out_shardings=sharding)
 
 
-def _is_placed(leaf: Any, sharding: jax.sharding.Sharding) -> bool:
-    return isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding == sharding
+def _is_placed(leaf: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    return leaf.committed and leaf.sharding == sharding
 
 
 class BatchTracker:

@@ -26,7 +26,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import jax
 
@@ -34,6 +34,7 @@ from jaxstrategy._src.errors import bullet_list, format_argument_path
 from jaxstrategy._src.jax_compat import is_tracer
 from jaxstrategy._src.options import RunOptions
 from jaxstrategy._src.per_replica import PerReplica
+from jaxstrategy._src.step_arguments import ArgumentRoles
 from jaxstrategy._src.step_cache import function_key, weak_resolver
 from jaxstrategy._src.types import PyTree
 
@@ -187,19 +188,21 @@ def donated_objects(
     names, each of which must be an object (its Variables' arrays are donated).
 
     Raises:
-      ValueError: a donated argument is not an NNX object.
+      ValueError: an option names an argument this call does not pass, or a donated argument is
+        not itself an NNX object.
     """
-    argnums = cast(tuple[int, ...], options.donate_argnums)  # RunOptions makes both tuples.
-    argnames = cast(tuple[str, ...], options.donate_argnames)
-    named = [(f"args[{i}]", args[i]) for i in argnums if i < len(args)]
-    named += [(f"kwargs[{name!r}]", kwargs[name]) for name in argnames if name in kwargs]
+    roles = ArgumentRoles.from_options(options, scalars_are_static=False, caller=caller)
+    roles.check_named_arguments_exist(args, kwargs)
+    named = [(f"args[{i}]", args[i]) for i in roles.donate_argnums]
+    named += [(f"kwargs[{name!r}]", kwargs[name]) for name in roles.donate_argnames]
     others = [name for name, value in named if not _is_object(value)]
     if others:
         raise ValueError(
             f"{caller}: with Flax NNX objects among the arguments, RunOptions may donate only "
-            f"arguments that are objects (their Variables' arrays are donated), but "
-            f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not. Donate the objects "
-            "alone, or pass their state (nnx.split) and the rest as pytrees."
+            f"arguments that are themselves objects (their Variables' arrays are donated), but "
+            f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not. Pass each object as "
+            "an argument of its own and donate those, or pass their state (nnx.split) and the "
+            "rest as pytrees."
         )
     donated_ids = {id(value) for _, value in named}
     return frozenset(i for i, obj in enumerate(found.objects) if id(obj) in donated_ids)
@@ -232,6 +235,7 @@ def run_with_objects(
     donated_leaves = tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated)
     step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves)
     if donated_leaves:
+        _require_donated_arrays_unshared(values, donated_leaves, found, traversal, caller)
         kept = set(range(len(values))).difference(donated_leaves)
         arguments = ([values[i] for i in donated_leaves], [values[i] for i in sorted(kept)], found.others)
         outputs, changed = run(step, arguments, {}, _DONATE_FIRST)
@@ -239,27 +243,78 @@ def run_with_objects(
         outputs, changed = run(step, ([], values, found.others), {}, None)
     replicas_differ = [i for i, value in changed.items() if isinstance(value, PerReplica)]
     if replicas_differ:
-        names = [_variable_name(traversal.paths[i], found.paths) for i in replicas_differ]
-        if donated_leaves:  # Their old arrays were given to the program: keep what can be kept.
-            _write_back(
-                found, traversal, values, {i: v for i, v in changed.items() if i not in replicas_differ}
-            )
-        left = (
-            "so the objects were left as they were"
-            if not donated_leaves
-            else "and the objects' state was donated (RunOptions), so they now hold deleted arrays "
-            "there: rebuild them, or restore a checkpoint"
-        )
-        raise ValueError(
-            f"{caller}: fn updated these Variables of its Flax NNX arguments with values that may "
-            f"differ between replicas:{bullet_list(names)}\nA Variable holds one value for every "
-            f"replica, {left}. Make the update the same everywhere: "
-            "all-reduce the gradients before optimizer.update (get_replica_context().all_reduce"
-            "('mean', grads)), and give nnx.BatchNorm axis_name='replica' so that its statistics "
-            "are averaged."
+        raise _replicas_differ_error(
+            found, traversal, values, changed, replicas_differ, donated_leaves, caller
         )
     _write_back(found, traversal, values, changed)
     return outputs
+
+
+def _require_donated_arrays_unshared(
+    values: list[Any], donated_leaves: tuple[int, ...], found: Found, traversal: _Traversal, caller: str
+) -> None:
+    """Raise if an array a donated Variable holds is also held elsewhere in the call (another
+    Variable, as after `nnx.update(ema, nnx.state(model))`, or an argument): donation would
+    delete it there too."""
+    donated_at = {id(values[i]): i for i in donated_leaves if isinstance(values[i], jax.Array)}
+    donated_set = set(donated_leaves)
+    elsewhere = [
+        (donated_at[id(value)], _variable_name(traversal.paths[i], found.paths))
+        for i, value in enumerate(values)
+        if i not in donated_set and id(value) in donated_at
+    ]
+    elsewhere += [
+        (donated_at[id(leaf)], "another argument")
+        for leaf in jax.tree.leaves(found.others)
+        if id(leaf) in donated_at
+    ]
+    if elsewhere:
+        i, where = elsewhere[0]
+        name = _variable_name(traversal.paths[i], found.paths)
+        raise ValueError(
+            f"{caller}: {name} is donated (RunOptions), but the array it holds is also held by "
+            f"{where}. Donation deletes the array, so it cannot stay there. Give it a copy of "
+            "its own (variable[...] = jnp.copy(variable[...])), or do not donate this object."
+        )
+
+
+def _replicas_differ_error(
+    found: Found,
+    traversal: _Traversal,
+    values: list[Any],
+    changed: dict[int, Any],
+    replicas_differ: list[int],
+    donated_leaves: tuple[int, ...],
+    caller: str,
+) -> ValueError:
+    """The error for updates that may differ between replicas. Objects not donated are left as
+    they were; donated ones gave their arrays to the program, so they take what can be taken."""
+    donated_set = set(donated_leaves)
+    names = [_variable_name(traversal.paths[i], found.paths) for i in replicas_differ]
+    if donated_set:
+        _write_back(
+            found,
+            traversal,
+            values,
+            {i: v for i, v in changed.items() if i in donated_set and i not in replicas_differ},
+        )
+    lost = [name for i, name in zip(replicas_differ, names, strict=True) if i in donated_set]
+    what = "so the objects were left as they were."
+    if lost:
+        what = (
+            "so these were not updated, and these of them were donated (RunOptions), so they now "
+            f"hold deleted arrays:{bullet_list(lost)}\nRebuild their objects, or restore a "
+            "checkpoint. The donated objects' other Variables took their new values; objects not "
+            "donated were left as they were."
+        )
+    return ValueError(
+        f"{caller}: fn updated these Variables of its Flax NNX arguments with values that may "
+        f"differ between replicas:{bullet_list(names)}\nA Variable holds one value for every "
+        f"replica, {what} Make the update the same everywhere: "
+        "all-reduce the gradients before optimizer.update (get_replica_context().all_reduce"
+        "('mean', grads)), and give nnx.BatchNorm axis_name='replica' so that its statistics "
+        "are averaged."
+    )
 
 
 def _write_back(found: Found, traversal: _Traversal, values: list[Any], changed: dict[int, Any]) -> None:
@@ -449,11 +504,12 @@ class _StepWithObjects:
                 "values of Variables that exist when it starts: create them, and set such flags, "
                 "before calling run; inside fn only assign to values (variable[...] = ...)."
             )
-        # An untouched leaf comes back as the very tracer that went in.
+        # An untouched array comes back as the very tracer that went in. Any other value (a dict
+        # a Variable holds, say) may have been changed in place, so it is returned.
         changed = {
             i: new
             for i, (new, old) in enumerate(zip(new_values, values, strict=True))
-            if new is not old or i in self.donated
+            if new is not old or not is_tracer(new) or i in self.donated
         }
         return outputs, changed
 

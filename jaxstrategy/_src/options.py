@@ -123,6 +123,8 @@ class RunOptions:
       computation to reuse for its outputs (and deleted), which saves memory when a step replaces
       its state. An array passed to a donated argument may not be passed anywhere else in the
       same call. A donated Flax NNX object gives up its Variables' arrays and holds the new ones.
+      Do not donate a batch a dataset delivered as it is (jax arrays already on the device): the
+      dataset hands out the same arrays at its next pass.
     - `static_argnums` and `static_argnames`: the named arguments are compile-time constants even
       where they are numbers (a `training=True` flag that Python code branches on); each new
       value compiles the function once more. They must be hashable.

@@ -120,7 +120,7 @@ class ArgumentRoles:
           ValueError: the options name an argument this call does not pass, or a donated array
             is also passed elsewhere in the call.
         """
-        self._check_named_arguments_exist(args, kwargs)
+        self.check_named_arguments_exist(args, kwargs)
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         leaf_shardings = shardings_of(len(path_leaves))
         kinds: list[int] = []
@@ -172,7 +172,7 @@ class ArgumentRoles:
             or _names(path, self.static_argnums, self.static_argnames)
         )
 
-    def _check_named_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def check_named_arguments_exist(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise unless every argument RunOptions donates or makes static is passed: a position
         past the end, or a name given positionally, would silently donate or fix nothing."""
         missing = []
