@@ -251,8 +251,31 @@ def test_a_donated_batch_delivered_as_it_is_is_a_clear_error_at_the_next_pass(st
 
 
 def test_weakly_typed_jax_leaves_are_typed_as_on_every_strategy(strategy_cpu1):
-    (batch,) = list(strategy_cpu1.experimental_distribute_dataset([{"w": jnp.array(0.5)}]))
-    assert not batch["w"].weak_type and batch["w"].dtype == jnp.float32
+    source = [{"w": jnp.array(0.5), "placed": strategy_cpu1.put(jnp.full(3, 0.5))}]
+    assert source[0]["placed"].weak_type
+    (batch,) = list(strategy_cpu1.experimental_distribute_dataset(source))
+    for leaf in batch.values():
+        assert not leaf.weak_type and leaf.dtype == jnp.float32
+        assert leaf.devices() == {strategy_cpu1.device} and leaf.committed
+
+
+def test_typed_key_arrays_are_delivered(strategy_cpu1):
+    keys = jax.random.split(jax.random.key(0), 2)
+    (batch,) = list(strategy_cpu1.experimental_distribute_dataset([{"keys": keys}]))
+    assert jax.numpy.array_equal(jax.random.key_data(batch["keys"]), jax.random.key_data(keys))
+
+
+def test_a_batch_donated_while_the_next_ones_are_placed_ahead_is_the_clear_error(strategy_cpu1):
+    batch = strategy_cpu1.put({"x": jnp.arange(4.0)})
+    options = InputOptions(experimental_per_replica_buffer_size=2)  # Placed before the step donates.
+    dataset = strategy_cpu1.experimental_distribute_dataset([batch] * 3, options)
+    params = strategy_cpu1.put(jnp.zeros(()))
+    donate = jaxstrategy.RunOptions(donate_argnums=(0, 1))
+    with pytest.raises(
+        ValueError, match=r"holds an array that was deleted: .*donate only the state, not the batch"
+    ):
+        for taken in dataset:
+            params, _ = strategy_cpu1.run(_donating_step, args=(params, taken), options=donate)
 
 
 @pytest.mark.parametrize("where", ["replicated", "one device"])

@@ -95,6 +95,24 @@ def test_only_donated_objects_lose_what_differs_between_replicas(four):
     assert not donated.bias.get_raw_value().is_deleted()
 
 
+def test_a_failed_step_says_which_donated_objects_took_their_updates(four):
+    differing = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    donated = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    batch, _ = _batch(four)
+
+    def step(differing, donated, batch):
+        differing.bias[...] += batch["y"][:1]  # Differs, not donated.
+        donated.bias[...] += 1.0  # The same everywhere, donated.
+
+    with pytest.raises(
+        ValueError,
+        match=r"so these were not updated\. The donated objects took their other new values \(their old arrays "
+        r"were given to the step\); objects not donated were left as they were\.",
+    ):
+        four.run(step, args=(differing, donated, batch), options=RunOptions(donate_argnums=1))
+    assert np.asarray(donated.bias[...]).tolist() == [1.0]
+
+
 def test_one_device_takes_the_replica_s_own_gradient(strategy_cpu1):
     model = strategy_cpu1.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
     optimizer = strategy_cpu1.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
@@ -246,6 +264,61 @@ def test_an_array_held_by_a_donated_variable_and_by_another_one_is_a_clear_error
     ):
         strategy.run(lambda m, e: None, args=(model, ema), options=RunOptions(donate_argnums=0))
     assert not model.kernel.get_raw_value().is_deleted(), "refused before anything was donated"
+
+
+class _NetAndAverage(nnx.Module):
+    """A network and its moving average, started as the same arrays (a common EMA start)."""
+
+    def __init__(self):
+        self.net = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        self.ema = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
+        nnx.update(self.ema, nnx.state(self.net))
+
+
+def test_two_donated_variables_holding_one_array_are_a_clear_error():
+    strategy = OneDeviceStrategy()
+    pair = strategy.put(_NetAndAverage())
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\]\.\w+\.(bias|kernel) is donated \(RunOptions\), but the array it holds is also held "
+        r"by args\[0\]\.\w+\.(bias|kernel)\.",
+    ):
+        strategy.run(lambda p: None, args=(pair,), options=RunOptions(donate_argnums=0))
+
+
+def test_an_array_held_by_a_donated_variable_and_by_an_argument_names_the_argument():
+    strategy = OneDeviceStrategy()
+    model = strategy.put(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    with pytest.raises(
+        ValueError,
+        match=r"args\[0\]\.kernel is donated \(RunOptions\), but the array it holds is also held by args\[1\]\['w'\]\.",
+    ):
+        strategy.run(
+            lambda m, d: None,
+            args=(model, {"w": model.kernel.get_raw_value()}),
+            options=RunOptions(donate_argnums=0),
+        )
+
+
+class _Named(nnx.Module):
+    def __init__(self):
+        self.activation = nnx.Variable("relu")  # Static: no array.
+        self.tables = nnx.Variable({"big": jnp.ones((64, 64))})  # A pytree the step only reads.
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+
+def test_variables_holding_static_values_or_pytrees_a_step_only_reads_stay_as_they_are():
+    strategy = OneDeviceStrategy()  # `put` refuses the string; JAX's default device holds the rest.
+    model = _Named()
+    table = model.tables.get_raw_value()["big"]
+
+    def count(model):
+        model.calls[...] += model.tables.get_raw_value()["big"][0, 0].astype(jnp.int32)
+
+    for _ in range(2):
+        strategy.run(count, args=(model,))
+    assert int(model.calls[...]) == 2 and model.activation.get_raw_value() == "relu"
+    assert model.tables.get_raw_value()["big"] is table, "not returned (a copy) nor written back"
 
 
 class _Stats(nnx.Module):

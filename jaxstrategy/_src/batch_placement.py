@@ -35,10 +35,25 @@ class _Signature:
 
 @dataclasses.dataclass(frozen=True)
 class PlacedBatch:
-    """A placed batch and its signature (computed in the producer thread, off the hot path)."""
+    """A placed batch and its signature (computed in the producer thread, off the hot path), and
+    the source's own jax arrays it holds as they were (see `require_not_donated`)."""
 
     value: PyTree
     signature: _Signature
+    as_given: tuple[jax.Array, ...] = ()
+
+    def require_not_donated(self) -> None:
+        """Raise if a step donated one of the source's arrays this batch holds: the source hands
+        out the same arrays at every pass. Asked in the consumer's thread, when the batch is taken,
+        since a step deletes what it donates when it is dispatched (batches placed ahead were
+        placed before)."""
+        if any(array.is_deleted() for array in self.as_given):
+            raise ValueError(
+                "A batch of this distributed dataset holds an array that was deleted: a jax array "
+                "already on the strategy's device is delivered as it is, and a step donated it "
+                "(RunOptions(donate_argnums=...) naming the batch). Such a batch belongs to the "
+                "dataset: donate only the state, not the batch, or give the dataset numpy arrays."
+            )
 
 
 class BatchPlacer:
@@ -59,12 +74,15 @@ class BatchPlacer:
         placed: Sequence[Any] = self._place(leaves) if self._on_device else [np.asarray(x) for x in leaves]
         # Every leaf is an array by now (jax, or numpy on the host): it has a shape and a dtype.
         signature = _Signature(batch.treedef, tuple((x.shape, x.dtype) for x in placed))
+        as_given = tuple(
+            x for x, leaf in zip(placed, leaves, strict=True) if x is leaf and isinstance(x, jax.Array)
+        )
         if self._layout.stacked:
             placed = [PerReplica(x) for x in placed]
         value = jax.tree.unflatten(batch.treedef, placed[: len(batch.leaves)])
         if batch.mask is not None:
             value = (value, placed[-1])
-        return PlacedBatch(value, signature)
+        return PlacedBatch(value, signature, as_given)
 
     def _place(self, leaves: Sequence[np.ndarray | jax.Array]) -> Sequence[Any]:
         sharding = self._layout.sharding
@@ -88,20 +106,19 @@ class BatchPlacer:
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, jax.Array):
                 on_host.append(i)
+            elif getattr(leaf, "weak_type", False):
+                # Typed on the device, as numpy types it on every other path (`jnp.array(0.5)`
+                # becomes float32): kept weak, its dtype would follow what the step combines it with.
+                typed = placed[i] = leaf.astype(leaf.dtype)
+                if not _is_placed(typed, sharding):
+                    elsewhere.append(i)
             elif not _is_placed(leaf, sharding):
                 elsewhere.append(i)
-            elif leaf.is_deleted():
-                raise ValueError(
-                    "A batch of this distributed dataset holds an array that was deleted: a jax array "
-                    "already on the strategy's device is delivered as it is, and a step donated it "
-                    "(RunOptions(donate_argnums=...) naming the batch). Such a batch belongs to the "
-                    "dataset: donate only the state, not the batch, or give the dataset numpy arrays."
-                )
         if on_host:
             for i, leaf in zip(on_host, put_private([leaves[i] for i in on_host], sharding), strict=True):
                 placed[i] = leaf
         if elsewhere:
-            copies = device_put_anywhere([leaves[i] for i in elsewhere], sharding, may_alias=False)
+            copies = device_put_anywhere([placed[i] for i in elsewhere], sharding, may_alias=False)
             for i, leaf in zip(elsewhere, copies, strict=True):
                 placed[i] = leaf
         return placed

@@ -393,6 +393,7 @@ class DistributedIterator:
         """The next placed batch, after warning (here, in the user's thread) about dropped ones."""
         while isinstance(item := self._take(), DroppedBatch):
             warnings.warn(item.message, stacklevel=caller_stacklevel())
+        item.require_not_donated()
         return item
 
     def _peek_batch(self) -> PlacedBatch:

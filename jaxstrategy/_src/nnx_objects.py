@@ -232,13 +232,25 @@ def run_with_objects(
         for leaf, is_variable in zip(traversal.leaves, traversal.are_variables, strict=True)
     ]
     # A Variable reached from a donated object first is donated (each is traversed once).
-    donated_leaves = tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated)
+    donated_leaves = (
+        tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated) if donated else ()
+    )
     step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves)
     if donated_leaves:
-        _require_donated_arrays_unshared(values, donated_leaves, found, traversal, caller)
+        if (shared := _donated_array_shared(values, donated_leaves, found, traversal, caller)) is not None:
+            raise shared
         kept = set(range(len(values))).difference(donated_leaves)
         arguments = ([values[i] for i in donated_leaves], [values[i] for i in sorted(kept)], found.others)
-        outputs, changed = run(step, arguments, {}, _DONATE_FIRST)
+        try:
+            outputs, changed = run(step, arguments, {}, _DONATE_FIRST)
+        except jax.errors.JaxRuntimeError as error:
+            if "donate the same buffer twice" not in str(error):
+                raise
+            # Refused before anything ran: say which Variables share the buffer.
+            shared = _donated_array_shared(values, donated_leaves, found, traversal, caller, _buffer_of)
+            if shared is None:
+                raise
+            raise shared from error
     else:
         outputs, changed = run(step, ([], values, found.others), {}, None)
     replicas_differ = [i for i, value in changed.items() if isinstance(value, PerReplica)]
@@ -250,32 +262,54 @@ def run_with_objects(
     return outputs
 
 
-def _require_donated_arrays_unshared(
-    values: list[Any], donated_leaves: tuple[int, ...], found: Found, traversal: _Traversal, caller: str
-) -> None:
-    """Raise if an array a donated Variable holds is also held elsewhere in the call (another
-    Variable, as after `nnx.update(ema, nnx.state(model))`, or an argument): donation would
-    delete it there too."""
-    donated_at = {id(values[i]): i for i in donated_leaves if isinstance(values[i], jax.Array)}
-    donated_set = set(donated_leaves)
-    elsewhere = [
-        (donated_at[id(value)], _variable_name(traversal.paths[i], found.paths))
-        for i, value in enumerate(values)
-        if i not in donated_set and id(value) in donated_at
-    ]
-    elsewhere += [
-        (donated_at[id(leaf)], "another argument")
-        for leaf in jax.tree.leaves(found.others)
-        if id(leaf) in donated_at
-    ]
-    if elsewhere:
-        i, where = elsewhere[0]
-        name = _variable_name(traversal.paths[i], found.paths)
-        raise ValueError(
-            f"{caller}: {name} is donated (RunOptions), but the array it holds is also held by "
-            f"{where}. Donation deletes the array, so it cannot stay there. Give it a copy of "
-            "its own (variable[...] = jnp.copy(variable[...])), or do not donate this object."
-        )
+def _donated_array_shared(
+    values: list[Any],
+    donated_leaves: tuple[int, ...],
+    found: Found,
+    traversal: _Traversal,
+    caller: str,
+    key: Callable[[Any], Any] = id,
+) -> ValueError | None:
+    """The error to raise if an array a donated Variable holds is also held elsewhere in the call
+    (another Variable, as after `nnx.update(ema, nnx.state(model))`, or an argument): donation
+    would delete it there too. `key` tells arrays apart: by identity (cheap, every call), or by buffer
+    (`_buffer_of`, once XLA has refused a buffer donated twice: `put` gives one array placed twice
+    two wrappers of one buffer)."""
+    donated_at: dict[Any, int] = {}
+    shared: tuple[int, str] | None = None
+    for i in donated_leaves:
+        if isinstance(values[i], jax.Array):
+            if key(values[i]) in donated_at:
+                shared = (donated_at[key(values[i])], _variable_name(traversal.paths[i], found.paths))
+                break
+            donated_at[key(values[i])] = i
+    if shared is None:
+        donated_set = set(donated_leaves)
+        for i, value in enumerate(values):
+            if i not in donated_set and isinstance(value, jax.Array) and key(value) in donated_at:
+                shared = (donated_at[key(value)], _variable_name(traversal.paths[i], found.paths))
+                break
+    others = [leaf for leaf in jax.tree.leaves(found.others) if isinstance(leaf, jax.Array)]
+    if shared is None and any(key(leaf) in donated_at for leaf in others):
+        # Only now are the arguments' paths worth formatting.
+        arguments = found.holes.fill(found.objects, found.others)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arguments, is_leaf=_is_object)[0]:
+            if isinstance(leaf, jax.Array) and key(leaf) in donated_at:
+                shared = (donated_at[key(leaf)], format_argument_path(path))
+                break
+    if shared is None:
+        return None
+    i, where = shared
+    return ValueError(
+        f"{caller}: {_variable_name(traversal.paths[i], found.paths)} is donated (RunOptions), "
+        f"but the array it holds is also held by {where}. Donation deletes the array, so it "
+        "cannot stay there. Give one of them a copy of its own (jnp.copy), or do not donate "
+        "this object."
+    )
+
+
+def _buffer_of(array: jax.Array) -> int:
+    return array.addressable_shards[0].data.unsafe_buffer_pointer()
 
 
 def _replicas_differ_error(
@@ -300,6 +334,11 @@ def _replicas_differ_error(
         )
     lost = [name for i, name in zip(replicas_differ, names, strict=True) if i in donated_set]
     what = "so the objects were left as they were."
+    if donated_set and not lost:
+        what = (
+            "so these were not updated. The donated objects took their other new values (their "
+            "old arrays were given to the step); objects not donated were left as they were."
+        )
     if lost:
         what = (
             "so these were not updated, and these of them were donated (RunOptions), so they now "
@@ -491,6 +530,9 @@ class _StepWithObjects:
         values = list(kept_values)
         for i, value in zip(self.donated, donated_values, strict=True):
             values.insert(i, value)  # In ascending order, so every earlier position is filled.
+        # A value that is not one array (a dict a Variable holds, say) may be changed in place:
+        # its leaves, by identity, tell. A static one (a string) never changes.
+        leaves_before = {i: jax.tree.leaves(v) for i, v in enumerate(values) if not is_tracer(v)}
         nnx = _nnx()
         objects = nnx.graph.unflatten(self.graphdef, values)
         args, kwargs = self.holes.fill(objects, others)
@@ -504,14 +546,24 @@ class _StepWithObjects:
                 "values of Variables that exist when it starts: create them, and set such flags, "
                 "before calling run; inside fn only assign to values (variable[...] = ...)."
             )
-        # An untouched array comes back as the very tracer that went in. Any other value (a dict
-        # a Variable holds, say) may have been changed in place, so it is returned.
+        # An untouched array comes back as the very tracer that went in.
         changed = {
             i: new
             for i, (new, old) in enumerate(zip(new_values, values, strict=True))
-            if new is not old or not is_tracer(new) or i in self.donated
+            if i in self.donated or _differs(new, old, leaves_before.get(i))
         }
         return outputs, changed
+
+
+def _differs(new: Any, old: Any, old_leaves: list[Any] | None) -> bool:
+    """Whether a state leaf's value changed: another object, or for a value that is not one array,
+    other leaves (`old_leaves`, taken before `fn` ran)."""
+    if new is not old or old_leaves is None:
+        return new is not old
+    new_leaves = jax.tree.leaves(new)
+    if len(new_leaves) != len(old_leaves):
+        return True
+    return any(a is not b for a, b in zip(new_leaves, old_leaves, strict=True))
 
 
 def _variable_name(path: tuple[Any, ...], object_paths: list[Any]) -> str:

@@ -91,9 +91,7 @@ def host_elements(source: Iterator[Any], *, keep_jax_arrays: bool) -> Iterator[H
 
 
 def _private_array(leaf: Any, keep_jax_arrays: bool) -> Any:
-    # A weakly typed array (`jnp.array(0.5)`) goes through numpy, which types it, as on every
-    # strategy: kept weak, it would take its dtype from what the step combines it with.
-    if keep_jax_arrays and isinstance(leaf, jax.Array) and not leaf.weak_type:
+    if keep_jax_arrays and isinstance(leaf, jax.Array):
         return leaf
     return np.asarray(private_copy(leaf))
 
