@@ -89,6 +89,40 @@ def test_a_donated_array_passed_twice_is_an_error_naming_both_places():
     assert parts.donated == [1.0] and parts.kept == [1.0]
 
 
+def test_a_structure_called_again_with_arrays_splits_as_the_first_call_did():
+    role = roles(donate_argnums=(0, 1))
+
+    def call():
+        params, state, batch = {"w": jnp.ones(2), "b": jnp.zeros(1)}, (jnp.ones(3),), jnp.arange(4.0)
+        return (params, state, batch), split(role, (params, state, batch))
+
+    _, first = call()
+    (params, state, batch), again = call()  # Planned: the leaves gathered by position.
+    assert again.spec is first.spec
+    assert (
+        again.donated[0] is params["b"] and again.donated[1] is params["w"] and again.donated[2] is state[0]
+    )
+    assert again.kept == [batch] and again.kept_shardings == ["sharding3"]
+    assert again.donated_shardings == ["sharding0", "sharding1", "sharding2"]
+
+
+def test_a_planned_structure_still_refuses_an_array_donated_twice_naming_both_places():
+    role = roles(donate_argnums=0)
+    split(role, ({"a": jnp.ones(1), "b": jnp.ones(1)}, jnp.ones(1)))  # Plans the structure.
+    x = jnp.ones(1)
+    with pytest.raises(ValueError, match=r"passed as args\[0\]\['a'\] and as args\[0\]\['b'\]"):
+        split(role, ({"a": x, "b": x}, jnp.ones(1)))
+    with pytest.raises(ValueError, match=r"passed as args\[0\]\['a'\] and as args\[1\]"):
+        split(role, ({"a": x, "b": jnp.ones(1)}, x))
+
+
+def test_a_planned_structure_with_a_leaf_that_is_no_array_is_split_by_path():
+    role = roles(donate_argnums=0)
+    split(role, (jnp.ones(1), jnp.ones(1)))
+    parts = split(role, (jnp.ones(1), "text"))  # The same structure, a constant where an array was.
+    assert parts.kept == [] and parts.spec.static == ((str, "text"),)
+
+
 def test_jit_options_and_static_leaves():
     assert jit_options(None) == () and not any(jit_options(RunOptions()))
     assert jit_options(RunOptions(donate_argnums=(1, 0)))[0] == (0, 1)

@@ -89,6 +89,9 @@ class ArgumentRoles:
     donate_argnames: tuple[str, ...] = ()
     scalars_are_static: bool = False
     caller: str = "run()"
+    # Per argument structure whose leaves are all jax arrays, where each leaf goes: there, a leaf's
+    # role follows from its path alone, which a step's every call shares (see `split`).
+    _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_options(
@@ -121,6 +124,21 @@ class ArgumentRoles:
             is also passed elsewhere in the call.
         """
         self.check_named_arguments_exist(args, kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        plan = self._plans.get(treedef)
+        if plan is not None and all(isinstance(leaf, jax.Array) for leaf in leaves):
+            split = plan.split(leaves, shardings_of(len(leaves)))
+            if split is not None:
+                return split
+        split = self._split_by_path(args, kwargs, shardings_of)
+        if not split.spec.static and len(self._plans) < _PLANS_KEPT:
+            self._plans[treedef] = _Plan.of(split.spec)
+        return split
+
+    def _split_by_path(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], shardings_of: Callable[[int], list[Any]]
+    ) -> SplitArguments:
+        """`split`, leaf by leaf: every check, and the messages that name leaves by path."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         leaf_shardings = shardings_of(len(path_leaves))
         kinds: list[int] = []
@@ -199,6 +217,38 @@ class ArgumentRoles:
             "deletes the array's buffer, so it cannot also be used elsewhere in the call. Pass a "
             "copy (jnp.copy(x)) in one of the places, or do not donate it."
         )
+
+
+# Argument structures planned per step: a step is called with a few, and the rest split by path.
+_PLANS_KEPT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Where each leaf of one argument structure goes, for calls whose leaves are all jax arrays
+    (none of them static, since arrays cannot be hashed): what `split` works out leaf by leaf,
+    kept, so that a donating step's every call is a flatten and two gathers."""
+
+    spec: StaticSpec
+    donated: tuple[int, ...]
+    kept: tuple[int, ...]
+
+    @classmethod
+    def of(cls, spec: StaticSpec) -> _Plan:
+        donated = tuple(i for i, kind in enumerate(spec.kinds) if kind == _DONATED)
+        kept = tuple(i for i, kind in enumerate(spec.kinds) if kind == _KEPT)
+        return cls(spec, donated, kept)
+
+    def split(self, leaves: list[Any], shardings: list[Any]) -> SplitArguments | None:
+        """The split of a call with these leaves, or None when a donated array is also passed
+        elsewhere in it (splitting by path says where)."""
+        donated = [leaves[i] for i in self.donated]
+        kept = [leaves[i] for i in self.kept]
+        donated_ids = set(map(id, donated))
+        if len(donated_ids) < len(donated) or not donated_ids.isdisjoint(map(id, kept)):
+            return None
+        donated_shardings = [shardings[i] for i in self.donated]
+        return SplitArguments(self.spec, donated, kept, donated_shardings, [shardings[i] for i in self.kept])
 
 
 def _names(path: tuple[Any, ...], argnums: tuple[int, ...], argnames: tuple[str, ...]) -> bool:

@@ -61,6 +61,8 @@ def require_representable(
     """
     if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on.
         return
+    if not any(map(_may_be_unrepresentable, jax.tree.leaves(tree, is_leaf=is_leaf))):
+        return  # Spares the paths, dear to build: run's checked path asks this of every call.
     bad = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
         problem = _unrepresentable(leaf)
@@ -98,6 +100,11 @@ def is_wide_host_leaf(leaf: Any) -> bool:
     if kind is np.ndarray:
         return bool(leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf")
     return kind in _WIDE_NUMPY_SCALARS
+
+
+def _may_be_unrepresentable(leaf: Any) -> bool:
+    """A cheap pre-check of `_unrepresentable`: False for the leaves it never objects to."""
+    return isinstance(leaf, int | np.ndarray | np.generic) and not isinstance(leaf, bool)
 
 
 def _unrepresentable(leaf: Any) -> str | None:
