@@ -130,24 +130,32 @@ class StepCache:
         self._entries: dict[Hashable, _CompiledStep] = {}
         self._compiles_per_code: dict[types.CodeType, int] = {}
 
-    def call_fast(self, fn: StepFn, args: tuple[Any, ...]) -> PyTree:
+    def call_fast(self, fn: StepFn, args: tuple[Any, ...], options: RunOptions | None = None) -> PyTree:
         """`fn(*args)` through the wrapper compiled at an earlier call, or `NOT_COMPILED`, in
         which case the call belongs to `__call__`.
 
-        It is `NOT_COMPILED` when `fn` has no fast wrapper yet, when `admits` refuses the
-        arguments, when jit rejects an argument that is not an array (a `TypeError` before
-        tracing), or, where the layout depends on the arguments, when they may not fit the
-        wrapper's (a `ValueError`). Errors from `fn` itself are raised: a `TypeError` with only
-        array arguments here, a `ValueError` from `__call__`.
+        It is `NOT_COMPILED` when `fn` has no fast wrapper yet (for these options: only donation
+        has one), when `admits` refuses the arguments, when jit rejects an argument that is not an
+        array (a `TypeError` before tracing), when XLA refuses a buffer donated twice (before
+        running anything), or, where the layout depends on the arguments, when they may not fit
+        the wrapper's (a `ValueError`). Errors from `fn` itself are raised: a `TypeError` with
+        only array arguments here, a `ValueError` from `__call__`.
         """
         # function_key(fn), inline: this runs on every step.
-        compiled = self._fast.get((id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn))
+        key: Hashable = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)
+        if options is not None and any(chosen := jit_options(options)):
+            key = (key, chosen)
+        compiled = self._fast.get(key)
         if compiled is None or not self._admits(args):
             return NOT_COMPILED
         try:
             return compiled(*args)
         except NeedsSlowPath:
             pass
+        except jax.errors.JaxRuntimeError as error:
+            # `__call__` checks the arguments and names the places of an array donated twice.
+            if options is None or "donate" not in str(error):
+                raise
         except TypeError:
             if not has_static_leaves(args):
                 raise
@@ -176,6 +184,15 @@ class StepCache:
         if entry.slow_path:
             if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
                 args, kwargs = layout.settle((args, kwargs))
+            if entry.donates_only and not kwargs and not has_static_leaves(args):
+                # Checked here; compiled with jit's own donation, which `call_fast` then calls.
+                entry.check_donation(layout, args)
+                compiled, _ = entry.jitted("donating", layout.for_positional(), layout)
+                result = compiled(*args)
+                guarded = _refusing_arrays_donated_twice(compiled, entry.donate_argnums)
+                limit = self._in_flight_limit
+                self._fast[key] = guarded if limit is None else limit.wrap(guarded)
+                return result
             return entry.call_partitioned(layout, args, kwargs)
         if kwargs:
             compiled, new = entry.jitted("packed", layout.inputs, layout)
@@ -253,6 +270,30 @@ def _admit_all(args: tuple[Any, ...]) -> bool:
     return True
 
 
+def _refusing_arrays_donated_twice(
+    compiled: Callable[..., PyTree], donate_argnums: tuple[int, ...]
+) -> Callable[..., PyTree]:
+    """`compiled`, handing to the slow path (which names the places) a call that passes one array
+    in two places, one of them donated: XLA was seen to hang on that on CPU devices rather than
+    refuse it. The check is by identity, a few microseconds a call."""
+
+    def call(*args: Any) -> PyTree:
+        if not donate_argnums or donate_argnums[-1] >= len(args):
+            raise NeedsSlowPath
+        donated = [
+            leaf for i in donate_argnums for leaf in jax.tree.leaves(args[i]) if isinstance(leaf, jax.Array)
+        ]
+        donated_ids = set(map(id, donated))
+        if len(donated_ids) < len(donated):
+            raise NeedsSlowPath
+        for i, arg in enumerate(args):
+            if i not in donate_argnums and any(id(leaf) in donated_ids for leaf in jax.tree.leaves(arg)):
+                raise NeedsSlowPath
+        return compiled(*args)
+
+    return call
+
+
 class NeedsSlowPath(Exception):
     """Raised by a `program` while tracing a fast wrapper, for arguments that only `__call__` may
     take (such as objects inside the arguments that the caller unpacks there): `call_fast` then
@@ -318,8 +359,14 @@ class _CompiledStep:
         self._roles = ArgumentRoles.from_options(
             options, scalars_are_static=scalars_are_static, caller=caller
         )
-        # Jit options and static scalars need the argument leaves sorted in Python on every call.
+        # Jit options and static scalars need the argument leaves sorted in Python on every call,
+        # but for donation alone, where jit's own donation takes positional arrays as they are.
         self.slow_path = any(jit_options(options)) or scalars_are_static
+        roles = self._roles
+        self.donate_argnums = tuple(sorted(roles.donate_argnums))
+        self.donates_only = roles.donates and not (
+            roles.static_argnums or roles.static_argnames or scalars_are_static
+        )
         resolve = weak_resolver(fn)
 
         def call_positional(*args: Any) -> PyTree:
@@ -340,6 +387,7 @@ class _CompiledStep:
             wrapper.__wrapped__ = source
         self._wrappers = {
             "positional": call_positional,
+            "donating": call_positional,
             "packed": call_packed,
             "partitioned": call_with_static,
         }
@@ -347,8 +395,8 @@ class _CompiledStep:
         self._jitted: dict[Hashable, Callable[..., PyTree]] = {}
 
     def jitted(self, kind: str, in_shardings: Any, layout: _Layout) -> tuple[Callable[..., PyTree], bool]:
-        """The jit of the `kind` wrapper ("positional", "packed" or "partitioned") with these
-        input shardings, for calls with `layout`, and whether it was made just now."""
+        """The jit of the `kind` wrapper ("positional", "donating", "packed" or "partitioned")
+        with these input shardings, for calls with `layout`, and whether it was made just now."""
         key = (kind, _flat(in_shardings), layout.outputs)
         jitted = self._jitted.get(key)
         if jitted is not None:
@@ -359,10 +407,18 @@ class _CompiledStep:
             pinned["out_shardings"] = layout.outputs
         if kind == "partitioned":
             pinned.update(static_argnums=0, donate_argnums=1 if self._roles.donates else ())
-        elif self._layout_of is not None:  # Fast-path jits check their layout when they trace.
-            wrapper = _checking_layout(wrapper, self._layout_of, layout, packed=kind == "packed")
+        else:
+            if kind == "donating":
+                pinned["donate_argnums"] = self._roles.donate_argnums
+            if self._layout_of is not None:  # Fast-path jits check their layout when they trace.
+                wrapper = _checking_layout(wrapper, self._layout_of, layout, packed=kind == "packed")
         jitted = self._jitted[key] = jax.jit(wrapper, **pinned)
         return jitted, True
+
+    def check_donation(self, layout: _Layout, args: tuple[Any, ...]) -> None:
+        """Raise what `ArgumentRoles.split` finds wrong with a donating call of these arguments: an
+        option naming nothing, an array donated twice."""
+        self._roles.split(args, {}, layout.for_leaves)
 
     def call_partitioned(self, layout: _Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PyTree:
         split = self._roles.split(args, kwargs, layout.for_leaves)

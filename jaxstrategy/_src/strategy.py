@@ -308,11 +308,18 @@ class Strategy(abc.ABC):
         """
         # The hot path (see step_cache.py): a function already compiled for array arguments,
         # called with a tuple of them, that `_admits_fast_call` lets through.
-        if kwargs is None and options is None and type(args) is tuple:
-            result = self._run_steps.call_fast(fn, args)
+        if kwargs is None and type(args) is tuple and (options is None or type(options) is RunOptions):
+            result = self._run_steps.call_fast(fn, args, options)
             if result is not NOT_COMPILED:
                 return result
         return self._run_checked(fn, args, kwargs, options)
+
+    def _run_state(
+        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
+    ) -> PyTree:
+        """Run the step `run_with_objects` made of `fn`, on the hot path once it is compiled."""
+        result = self._run_steps.call_fast(fn, args, options)
+        return self._run_steps(fn, args, kwargs, options) if result is NOT_COMPILED else result
 
     def _run_checked(
         self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
@@ -364,7 +371,7 @@ class Strategy(abc.ABC):
                         "out, or pass the objects' state (nnx.split) in their place."
                     )
                 donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
-            return nnx_objects.run_with_objects(self._run_steps, fn, found, caller, donated)
+            return nnx_objects.run_with_objects(self._run_state, fn, found, caller, donated)
         return self._run_steps(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
