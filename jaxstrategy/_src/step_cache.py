@@ -24,8 +24,10 @@ numpy arrays and Python scalars are left to jit.
 Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
 rejects them before tracing, so the first such call takes the slow path: the arguments are
 flattened, the non-array leaves become one hashable static argument (see step_arguments.py), and
-that function stays on the slow path from then on. Buffer donation always takes the slow path,
-which also guards against donating a buffer that is used twice in one call.
+that function stays on the slow path from then on. Buffer donation takes the slow path, which
+guards against donating a buffer that is used twice in one call, except on one device for calls
+of arrays alone: there the first call is checked and compiled with jit's own donation, and later
+ones go to it after an identity check for an array passed twice.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class StepCache:
     ):
         self._admits = admits or _admit_all
         # `function_key(fn)` -> the compiled wrapper of each function whose last call had only
-        # array-like positional arguments and no options, called as `_fast[key](*args)`.
+        # array-like positional arguments and no options (or, on one device, donation alone,
+        # keyed with the options), called as `_fast[key](*args)`.
         self._fast: dict[Hashable, Callable[..., Any]] = {}
         self._in_flight_limit = in_flight_limit
         self._dispatch = self._call if in_flight_limit is None else in_flight_limit.wrap(self._call)
@@ -136,8 +139,8 @@ class StepCache:
 
         It is `NOT_COMPILED` when `fn` has no fast wrapper yet (for these options: only donation
         has one), when `admits` refuses the arguments, when jit rejects an argument that is not an
-        array (a `TypeError` before tracing), when XLA refuses a buffer donated twice (before
-        running anything), or, where the layout depends on the arguments, when they may not fit
+        array (a `TypeError` before tracing), when an array is passed both donated and elsewhere,
+        or, where the layout depends on the arguments, when they may not fit
         the wrapper's (a `ValueError`). Errors from `fn` itself are raised: a `TypeError` with
         only array arguments here, a `ValueError` from `__call__`.
         """
@@ -152,10 +155,6 @@ class StepCache:
             return compiled(*args)
         except NeedsSlowPath:
             pass
-        except jax.errors.JaxRuntimeError as error:
-            # `__call__` checks the arguments and names the places of an array donated twice.
-            if options is None or "donate" not in str(error):
-                raise
         except TypeError:
             if not has_static_leaves(args):
                 raise
@@ -184,7 +183,8 @@ class StepCache:
         if entry.slow_path:
             if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
                 args, kwargs = layout.settle((args, kwargs))
-            if entry.donates_only and not kwargs and not has_static_leaves(args):
+            # Where arrays are settled (several devices), every call must be: it stays slow there.
+            if entry.donates_only and not self._settle_arrays and not kwargs and not has_static_leaves(args):
                 # Checked here; compiled with jit's own donation, which `call_fast` then calls.
                 entry.check_donation(layout, args)
                 compiled, _ = entry.jitted("donating", layout.for_positional(), layout)
@@ -193,6 +193,7 @@ class StepCache:
                 limit = self._in_flight_limit
                 self._fast[key] = guarded if limit is None else limit.wrap(guarded)
                 return result
+            self._fast.pop(key, None)  # A donating fast entry would fail on these arguments.
             return entry.call_partitioned(layout, args, kwargs)
         if kwargs:
             compiled, new = entry.jitted("packed", layout.inputs, layout)

@@ -318,7 +318,7 @@ class Strategy(abc.ABC):
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
         """Run the step `run_with_objects` made of `fn`, on the hot path once it is compiled."""
-        result = self._run_steps.call_fast(fn, args, options)
+        result = NOT_COMPILED if kwargs else self._run_steps.call_fast(fn, args, options)
         return self._run_steps(fn, args, kwargs, options) if result is NOT_COMPILED else result
 
     def _run_checked(
