@@ -235,12 +235,11 @@ def run_with_objects(
     donated_leaves = (
         tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated) if donated else ()
     )
-    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves)
+    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves, len(values))
     if donated_leaves:
         if (shared := _donated_array_shared(values, donated_leaves, found, traversal, caller)) is not None:
             raise shared
-        kept = set(range(len(values))).difference(donated_leaves)
-        arguments = ([values[i] for i in donated_leaves], [values[i] for i in sorted(kept)], found.others)
+        arguments = ([values[i] for i in donated_leaves], [values[i] for i in step.kept], found.others)
         try:
             outputs, changed = run(step, arguments, {}, _DONATE_FIRST)
         except jax.errors.JaxRuntimeError as error:
@@ -474,6 +473,7 @@ def _step_with_objects(
     holes: _Holes,
     caller: str,
     donated: tuple[int, ...],
+    count: int,
 ) -> _StepWithObjects:
     """The step `run` compiles for `fn` with objects of this structure, the same object every
     call, so `run` finds it compiled (on its fast path). It holds `fn` weakly, and goes when `fn`
@@ -484,7 +484,13 @@ def _step_with_objects(
         _STEPS.move_to_end(key)
         return step
     step = _STEPS[key] = _StepWithObjects(
-        weak_resolver(fn), getattr(fn, "__name__", "step"), graphdef_key.graphdef, holes, caller, donated
+        weak_resolver(fn),
+        getattr(fn, "__name__", "step"),
+        graphdef_key.graphdef,
+        holes,
+        caller,
+        donated,
+        tuple(sorted(set(range(count)).difference(donated))),
     )
     if len(_STEPS) > _STEPS_KEPT:
         _STEPS.popitem(last=False)
@@ -510,6 +516,7 @@ class _StepWithObjects:
     holes: _Holes
     caller: str
     donated: tuple[int, ...]  # The positions, among the state leaves, of the donated ones (ascending).
+    kept: tuple[int, ...]  # And of the others: worked out once, not on every call.
 
     @property
     def __name__(self) -> str:  # JAX names the compiled program after the user's function.
