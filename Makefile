@@ -28,8 +28,8 @@ demo: $(VENV)/.demo-installed
 
 # pytest-xdist workers for `make test` and `make test-fast` (CI has two cores; the root conftest.py
 # says which tests share a worker and sends the slow ones first). The option lives here, not in
-# pytest's addopts, so that a plain `pytest tests/test_x.py` stays one process (for -x, --pdb,
-# print) and the pytest that tests/test_multi_worker.py starts in each process of a job runs alone.
+# pytest's addopts, so that a plain `pytest tests/input/test_sources.py` stays one process (for -x, --pdb,
+# print) and the pytest that tests/strategies/test_multi_worker.py starts in each process of a job runs alone.
 TEST_WORKERS ?= 2
 
 test: lint docs

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from jaxstrategy._src.strategy import Strategy
+    from jaxstrategy._src.strategies.strategy import Strategy
 
 
 def _one_device_default() -> Strategy:
-    from jaxstrategy._src.one_device import OneDeviceStrategy
+    from jaxstrategy._src.strategies.one_device import OneDeviceStrategy
 
     return OneDeviceStrategy()
 
@@ -28,7 +28,7 @@ def _one_device_default() -> Strategy:
 def _one_device_other() -> Strategy:
     import jax
 
-    from jaxstrategy._src.one_device import OneDeviceStrategy
+    from jaxstrategy._src.strategies.one_device import OneDeviceStrategy
 
     devices = jax.local_devices()
     if len(devices) < 2:
@@ -37,7 +37,7 @@ def _one_device_other() -> Strategy:
 
 
 def _mirrored_all() -> Strategy:
-    from jaxstrategy._src.mirrored import MirroredStrategy
+    from jaxstrategy._src.strategies.mirrored import MirroredStrategy
 
     return MirroredStrategy()
 

@@ -55,7 +55,7 @@ import numpy as np
 
 import jaxstrategy
 from jaxstrategy import checkpoint
-from jaxstrategy._src import checksums
+from jaxstrategy._src.checkpoint import checksums
 
 MIB = 2**20
 TOTAL_MIB = 100

@@ -64,7 +64,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstrategy  # noqa: E402
-from jaxstrategy._src.mirrored import _CPU_STEPS_IN_FLIGHT  # noqa: E402
+from jaxstrategy._src.strategies.mesh import _CPU_STEPS_IN_FLIGHT  # noqa: E402
 
 GOAL_RATIO = 1.10
 FULL_ROUNDS, QUICK_ROUNDS = 30, 3

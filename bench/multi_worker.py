@@ -103,7 +103,7 @@ def run_layout(num_processes: int, devices: int, settings: dict[str, int]) -> di
     args = [__file__, "--worker", str(settings["latency_calls"]), str(settings["train_calls"])]
     results = run_local_workers(args, num_processes, devices_per_worker=devices, timeout=TIMEOUT_S)
     if any(result.returncode for result in results):
-        from jaxstrategy._src.local_workers import describe_results
+        from jaxstrategy._src.cluster.local_workers import describe_results
 
         sys.exit(f"FAIL: a worker failed:\n{describe_results(results)}")
     (line,) = [line for line in results[0].stdout.splitlines() if line.startswith(RESULT_PREFIX)]

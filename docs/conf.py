@@ -1,7 +1,7 @@
 """Sphinx configuration for the jaxstrategy site: `make docs` builds it into docs/_build/html.
 
 Sphinx with MyST-NB, as JAX, Flax and optax use: the guides are MyST Markdown, the notebooks in
-notebooks/ render with their stored outputs (never executed here; tests/test_notebooks.py runs
+notebooks/ render with their stored outputs (never executed here; tests/user_facing/test_notebooks.py runs
 them), and the API reference is autodoc of the docstrings (Google style, through napoleon). The
 build runs with `-W --keep-going -n`, so a warning or a broken reference fails it.
 """
@@ -17,7 +17,7 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # jaxstrategy and jaxstrategy_pytest, installed or not
 
-# The notebooks live in notebooks/ (tests/test_notebooks.py executes them there); Sphinx reads
+# The notebooks live in notebooks/ (tests/user_facing/test_notebooks.py executes them there); Sphinx reads
 # only files under docs/, so each build takes a fresh copy of them.
 _NOTEBOOKS = DOCS / "notebooks"
 shutil.rmtree(_NOTEBOOKS, ignore_errors=True)
@@ -70,13 +70,13 @@ html_static_path: list[str] = []
 
 
 # Public names by module. Signatures and docstrings name classes where they are defined
-# (`jaxstrategy._src.options.RunOptions`) or bare (`StrategyContextError`); users know them by their
+# (`jaxstrategy._src.values.options.RunOptions`) or bare (`StrategyContextError`); users know them by their
 # public names, which is where their pages are.
 _PUBLIC_MODULES = ("jaxstrategy", "jaxstrategy.checkpoint", "jaxstrategy.nn", "jaxstrategy.testing")
 
 
 def _public_name(target: str) -> str | None:
-    """`jaxstrategy._src.options.RunOptions` or `RunOptions` -> `jaxstrategy.RunOptions` (and the
+    """`jaxstrategy._src.values.options.RunOptions` or `RunOptions` -> `jaxstrategy.RunOptions` (and the
     same for a member, `...Strategy.run` -> `jaxstrategy.Strategy.run`); None for other names."""
     import importlib
 

@@ -5,33 +5,35 @@ are pytrees committed to them. Code written against `OneDeviceStrategy` is meant
 when the constructor changes to a strategy over more devices.
 """
 
-from jaxstrategy._src.cluster_resolver import ClusterResolver as ClusterResolver
-from jaxstrategy._src.cluster_resolver import SimpleClusterResolver as SimpleClusterResolver
-from jaxstrategy._src.cluster_resolver import TFConfigClusterResolver as TFConfigClusterResolver
-from jaxstrategy._src.contexts import InputContext as InputContext
-from jaxstrategy._src.contexts import ReplicaContext as ReplicaContext
-from jaxstrategy._src.contexts import ValueContext as ValueContext
-from jaxstrategy._src.contexts import experimental_set_strategy as experimental_set_strategy
-from jaxstrategy._src.contexts import get_replica_context as get_replica_context
-from jaxstrategy._src.contexts import get_strategy as get_strategy
-from jaxstrategy._src.contexts import has_strategy as has_strategy
-from jaxstrategy._src.contexts import in_cross_replica_context as in_cross_replica_context
-from jaxstrategy._src.errors import InvalidDeviceError as InvalidDeviceError
-from jaxstrategy._src.errors import JaxStrategyError as JaxStrategyError
-from jaxstrategy._src.errors import StrategyContextError as StrategyContextError
-from jaxstrategy._src.input_lib import DistributedDataset as DistributedDataset
-from jaxstrategy._src.input_lib import DistributedIterator as DistributedIterator
-from jaxstrategy._src.input_lib import OptionalBatch as OptionalBatch
-from jaxstrategy._src.input_lib import OutOfRangeError as OutOfRangeError
-from jaxstrategy._src.mirrored import MirroredStrategy as MirroredStrategy
-from jaxstrategy._src.multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-from jaxstrategy._src.one_device import OneDeviceStrategy as OneDeviceStrategy
-from jaxstrategy._src.options import InputOptions as InputOptions
-from jaxstrategy._src.options import InputReplicationMode as InputReplicationMode
-from jaxstrategy._src.options import RunOptions as RunOptions
-from jaxstrategy._src.per_replica import PerReplica as PerReplica
-from jaxstrategy._src.reduce_op import ReduceOp as ReduceOp
-from jaxstrategy._src.strategy import Strategy as Strategy
+from jaxstrategy._src.cluster.resolver import ClusterResolver as ClusterResolver
+from jaxstrategy._src.cluster.resolver import SimpleClusterResolver as SimpleClusterResolver
+from jaxstrategy._src.cluster.resolver import TFConfigClusterResolver as TFConfigClusterResolver
+from jaxstrategy._src.core.errors import InvalidDeviceError as InvalidDeviceError
+from jaxstrategy._src.core.errors import JaxStrategyError as JaxStrategyError
+from jaxstrategy._src.core.errors import StrategyContextError as StrategyContextError
+from jaxstrategy._src.input.datasets import DistributedDataset as DistributedDataset
+from jaxstrategy._src.input.datasets import DistributedIterator as DistributedIterator
+from jaxstrategy._src.input.datasets import OptionalBatch as OptionalBatch
+from jaxstrategy._src.input.datasets import OutOfRangeError as OutOfRangeError
+from jaxstrategy._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
+from jaxstrategy._src.strategies.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
+from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxstrategy._src.strategies.strategy import Strategy as Strategy
+from jaxstrategy._src.strategies.strategy import get_strategy as get_strategy
+from jaxstrategy._src.values.contexts import InputContext as InputContext
+from jaxstrategy._src.values.contexts import ReplicaContext as ReplicaContext
+from jaxstrategy._src.values.contexts import ValueContext as ValueContext
+from jaxstrategy._src.values.contexts import experimental_set_strategy as experimental_set_strategy
+from jaxstrategy._src.values.contexts import get_replica_context as get_replica_context
+from jaxstrategy._src.values.contexts import has_strategy as has_strategy
+from jaxstrategy._src.values.contexts import in_cross_replica_context as in_cross_replica_context
+from jaxstrategy._src.values.options import InputOptions as InputOptions
+from jaxstrategy._src.values.options import InputReplicationMode as InputReplicationMode
+from jaxstrategy._src.values.options import RunOptions as RunOptions
+from jaxstrategy._src.values.per_replica import PerReplica as PerReplica
+from jaxstrategy._src.values.reduce_op import ReduceOp as ReduceOp
 
 __version__ = "0.1.0"
 

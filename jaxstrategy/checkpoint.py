@@ -9,15 +9,15 @@ in the tree saves and restores its position. `PreemptionHandler` saves a trainin
 job is told to stop (SIGTERM), and ends it with the status `PREEMPTED_EXIT_CODE`.
 """
 
-from jaxstrategy._src.checkpoint import Checkpointer as Checkpointer
-from jaxstrategy._src.checkpoint import CheckpointLockedError as CheckpointLockedError
-from jaxstrategy._src.checkpoint import CheckpointMismatchError as CheckpointMismatchError
-from jaxstrategy._src.checkpoint import CheckpointNotFoundError as CheckpointNotFoundError
-from jaxstrategy._src.checkpoint import CorruptCheckpointError as CorruptCheckpointError
-from jaxstrategy._src.checkpoint import restore as restore
-from jaxstrategy._src.checkpoint import save as save
-from jaxstrategy._src.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
-from jaxstrategy._src.preemption import PreemptionHandler as PreemptionHandler
+from jaxstrategy._src.checkpoint.checkpointer import Checkpointer as Checkpointer
+from jaxstrategy._src.checkpoint.checkpointer import restore as restore
+from jaxstrategy._src.checkpoint.checkpointer import save as save
+from jaxstrategy._src.checkpoint.format import CheckpointMismatchError as CheckpointMismatchError
+from jaxstrategy._src.checkpoint.format import CheckpointNotFoundError as CheckpointNotFoundError
+from jaxstrategy._src.checkpoint.format import CorruptCheckpointError as CorruptCheckpointError
+from jaxstrategy._src.checkpoint.lock import CheckpointLockedError as CheckpointLockedError
+from jaxstrategy._src.checkpoint.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from jaxstrategy._src.checkpoint.preemption import PreemptionHandler as PreemptionHandler
 
 __all__ = (
     "CheckpointLockedError",

@@ -1,4 +1,4 @@
-"""A training job for tests/test_preemption.py: SGD with momentum on fixed data, for a few epochs,
+"""A training job for tests/checkpoint/test_preemption.py: SGD with momentum on fixed data, for a few epochs,
 under a `PreemptionHandler`, stopped by SIGTERM at a chosen step and resumed by running it again.
 
 Run as a program it is one process of a job (`--strategy multi-worker`, started by

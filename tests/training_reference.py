@@ -7,6 +7,9 @@ SGD and SGD with momentum tell a correct gradient from one scaled by the number 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,8 +51,15 @@ def per_example_loss(params, x, y):
     return (predictions - y) ** 2
 
 
-def reference_training(tx, batches):
-    """The same model trained on each whole global batch by a plain `jax.jit` step."""
+@functools.cache
+def reference_training(optimizer: str, sizes: tuple[int, ...]) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same model trained with `OPTIMIZERS[optimizer]` on `training_batches(sizes)`, each whole
+    global batch in one plain `jax.jit` step: the losses and the final parameters.
+
+    Cached: it depends on neither the strategy nor the idiom under test, and every strategy's
+    tests compare against it.
+    """
+    tx, batches = OPTIMIZERS[optimizer](), training_batches(list(sizes))
 
     @jax.jit
     def step(params, opt_state, x, y):
@@ -145,8 +155,20 @@ def flax_docs_objects():
     return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
 
 
-def nnx_jit_training(batches):
-    """The reference: Flax's loop under `nnx.jit`, on each whole global batch."""
+@dataclasses.dataclass(frozen=True)
+class NnxJitRun:
+    """What Flax's loop under `nnx.jit` ended with: the losses, the parameters, the key count."""
+
+    losses: list[float]
+    params: dict
+    rng_count: int
+
+
+@functools.cache
+def nnx_jit_training(sizes: tuple[int, ...]) -> NnxJitRun:
+    """The reference: Flax's loop under `nnx.jit`, on each whole global batch of
+    `training_batches(sizes)`. Cached, as `reference_training` is."""
     model, optimizer = flax_docs_objects()
-    losses = [float(_nnx_jit_train_step(model, optimizer, batch)) for batch in batches]
-    return losses, model
+    losses = [float(_nnx_jit_train_step(model, optimizer, batch)) for batch in training_batches(list(sizes))]
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return NnxJitRun(losses, params, int(model.rngs.default.count[...]))

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from jaxstrategy._src.local_workers import describe_results
+from jaxstrategy._src.cluster.local_workers import describe_results
 from jaxstrategy.testing import run_local_workers
 from tf_parity import two_process_worker as worker
 

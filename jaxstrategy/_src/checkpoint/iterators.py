@@ -1,0 +1,192 @@
+"""Distributed iterators in checkpoints: each process's input position, saved beside the arrays.
+
+`checkpoint.save(directory, {'params': params, 'data': iterator})` saves the arrays as always and
+each `DistributedIterator`'s `get_state()` in one more item of the step, `iterators`: one JSON
+file per process (`process_<i>-of-<n>.json`, as Grain's own orbax handler writes), mapping the
+iterator's path in the tree to its state, since in a job of several processes each one reads its
+own input and has its own position. Orbax writes the item inside the step's temporary directory,
+so it is committed with the arrays or not at all.
+
+Restoring with a target that holds iterators where the checkpoint has positions sets each
+iterator to its position (`set_state`), in place, and leaves it in the restored tree; without a
+target, the restored tree holds the saved states (dicts) there. A checkpoint saved by another
+number of processes restores its positions only where they were all the same (every process
+reading the same source, as `experimental_distribute_dataset` has them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxstrategy._src.checkpoint import stored_leaves
+from jaxstrategy._src.checkpoint.format import (
+    ITERATOR_STATES_HANDLER_TYPESTR,
+    ITERATORS_ITEM,
+    answer_to_former_names,
+)
+from jaxstrategy._src.core.errors import bullet_list
+from jaxstrategy._src.core.types import PyTree
+from jaxstrategy._src.input.datasets import DistributedIterator
+
+_FILE_PREFIX = "process_"
+
+
+def _file_name(process: int, count: int) -> str:
+    return f"{_FILE_PREFIX}{process}-of-{count}.json"
+
+
+class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
+    """Orbax's handler of the `iterators` item: this process's iterator states, in its own file.
+
+    `metadata`, `finalize` and `close` are orbax's own, which do nothing.
+    """
+
+    @classmethod
+    def typestr(cls) -> str:
+        """How step metadata names this handler: a fixed name, not the module's path (`format.py`)."""
+        return ITERATOR_STATES_HANDLER_TYPESTR
+
+    def save(self, directory: Any, args: IteratorStatesSave) -> None:
+        path = Path(directory) / _file_name(jax.process_index(), jax.process_count())
+        path.write_text(json.dumps(args.states))
+
+    def restore(self, directory: Any, args: IteratorStatesRestore | None = None) -> dict[str, Any]:
+        del args
+        directory = Path(directory)
+        own = directory / _file_name(jax.process_index(), jax.process_count())
+        if own.is_file():
+            states: dict[str, Any] = json.loads(own.read_text())
+            return states
+        saved = sorted(directory.glob(f"{_FILE_PREFIX}*.json"))
+        if not saved:
+            raise FileNotFoundError(f"{directory} holds no iterator positions.")
+        contents = {path.read_text() for path in saved}
+        if len(contents) > 1:
+            raise ValueError(
+                f"the iterator positions were saved by {len(saved)} processes, each with its own, "
+                f"and this job has {jax.process_count()}: restore them in a job of as many processes "
+                "(or restore without the iterators in the target)."
+            )
+        return dict(json.loads(contents.pop()))
+
+
+@ocp.args.register_with_handler(IteratorStatesHandler, for_save=True)
+@dataclasses.dataclass
+class IteratorStatesSave(ocp.args.CheckpointArgs):  # type: ignore[misc]
+    states: dict[str, Any]
+
+
+@ocp.args.register_with_handler(IteratorStatesHandler, for_restore=True)
+@dataclasses.dataclass
+class IteratorStatesRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]
+    pass
+
+
+# Steps name it by its typestr, which `register_with_handler` above registered; older
+# steps by a former name.
+answer_to_former_names(IteratorStatesHandler, IteratorStatesSave, IteratorStatesRestore)
+
+
+def item_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """The handler of the item, for the checkpoint manager."""
+    return {ITERATORS_ITEM: IteratorStatesHandler()}
+
+
+def _is_iterator(leaf: Any) -> bool:
+    return isinstance(leaf, DistributedIterator)
+
+
+def take_iterators(tree: PyTree) -> tuple[PyTree, dict[str, DistributedIterator]]:
+    """`tree` with its iterators replaced by None, and the iterators by their stored path."""
+    iterators: dict[str, DistributedIterator] = {}
+
+    def take(path: tuple[Any, ...], leaf: Any) -> Any:
+        if _is_iterator(leaf):
+            iterators[stored_leaves.path_string(path)] = leaf
+            return None
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(take, tree), iterators
+
+
+def save_args(tree: PyTree) -> tuple[PyTree, IteratorStatesSave | None]:
+    """`tree` without its iterators, and the item saving their states now (None without any).
+
+    The states are taken at once: a background save must not see the iterators move on.
+
+    Raises:
+      TypeError: an iterator's dataset reads a one-shot iterator, whose position could not be
+        restored.
+    """
+    tree, iterators = take_iterators(tree)
+    if not iterators:
+        return tree, None
+    return tree, IteratorStatesSave({path: it.get_state() for path, it in iterators.items()})
+
+
+def _fill(tree: PyTree, values: dict[str, Any]) -> PyTree:
+    """`tree` with `values` put where it holds None at their paths."""
+
+    def fill(path: tuple[Any, ...], leaf: Any) -> Any:
+        name = stored_leaves.path_string(path)
+        return values.get(name, leaf) if leaf is None else leaf
+
+    return jax.tree_util.tree_map_with_path(fill, tree, is_leaf=lambda leaf: leaf is None)
+
+
+def restoring_positions(
+    read: Callable[[jax.sharding.Sharding, PyTree], PyTree],
+    manager: ocp.CheckpointManager,
+    step: int,
+    where: str,
+    *,
+    mismatch: type[Exception],
+    corrupt: type[Exception],
+) -> Callable[[jax.sharding.Sharding, PyTree], PyTree]:
+    """`read` (a step's arrays onto a sharding, checked against a target) that also restores the
+    iterators of the target to their saved positions, or gives the saved states without one.
+
+    The positions are read and matched to the target's iterators before any array is read; the
+    iterators are set only once the arrays are read.
+    """
+
+    def read_with_positions(sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+        target, iterators = take_iterators(target)
+        states: dict[str, Any] = {}
+        if (Path(manager.directory) / str(step) / ITERATORS_ITEM).is_dir():
+            try:
+                args = ocp.args.Composite(**{ITERATORS_ITEM: IteratorStatesRestore()})
+                restored = manager.restore(step, args=args)
+                states = dict(restored[ITERATORS_ITEM])
+            except Exception as error:
+                raise corrupt(
+                    f"Cannot read the iterator positions of the checkpoint at {where}: {error}"
+                ) from error
+        if target is not None:
+            problems = [
+                f"{path}: the target holds a DistributedIterator, the checkpoint no iterator position"
+                for path in sorted(iterators.keys() - states.keys())
+            ] + [
+                f"{path}: the checkpoint holds an iterator position, the target no DistributedIterator"
+                for path in sorted(states.keys() - iterators.keys())
+            ]
+            if problems:
+                raise mismatch(
+                    f"The target does not match the checkpoint at {where}; nothing was restored:"
+                    f"{bullet_list(problems)}"
+                )
+        restored_tree = read(sharding, target)
+        if target is None:
+            return _fill(restored_tree, states)
+        for path, iterator in iterators.items():
+            iterator.set_state(states[path])
+        return _fill(restored_tree, iterators)
+
+    return read_with_positions

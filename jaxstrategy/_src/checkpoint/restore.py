@@ -1,0 +1,288 @@
+"""Reading a saved step back: onto any strategy's sharding, checked against a target and checksums.
+
+What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step. The
+step's orbax metadata gives every leaf's path, shape and dtype; from them (and a `target`, when
+given, checked leaf by leaf first, every difference reported at once) comes an abstract tree of
+`jax.ShapeDtypeStruct`s carrying the target strategy's sharding, so orbax reads every array
+directly onto its device, committed, whatever strategy saved it. Leaves JAX would narrow while
+`jax_enable_x64` is off (int64, uint64, float64, complex128) are read exactly onto the host
+instead, since orbax would cast them silently: integers that do not fit the 32-bit type are an
+OverflowError, and floats come back 32-bit with a warning. The bytes read are checked against the
+step's checksums (`checksums.py`) before any leaf is narrowed.
+
+A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
+`ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
+restored the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxstrategy._src.checkpoint import checksums, stored_leaves
+from jaxstrategy._src.checkpoint.format import (
+    CHECKSUMS_ITEM,
+    PRNG_KEYS_ITEM,
+    STATE_ITEM,
+    STEP_NAME,
+    ZERO_SIZE_SHAPES_ITEM,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    check_step,
+    is_complete,
+)
+from jaxstrategy._src.core import orbax_compat
+from jaxstrategy._src.core.errors import bullet_list
+from jaxstrategy._src.core.tree_checks import PYTHON_SCALARS
+from jaxstrategy._src.core.types import PyTree
+
+# How orbax's read errors name the array they failed on: the key in its TensorStore spec.
+_SPEC_PATH = re.compile(r"'path': '([^'/]+)/'")
+# At most this many lines of leaf differences in one message; the rest are counted.
+_MAX_LISTED = 20
+
+
+def plain_orbax_items(directory: Path) -> dict[int | None, Path] | None:
+    """The pytree items of a checkpoint written by orbax alone, by step; None for any other directory.
+
+    `ocp.StandardCheckpointer().save(directory, tree)` makes `directory` itself the item (one
+    checkpoint, under the key None); an `ocp.CheckpointManager` saving one item puts it in each
+    step's `default/`. Orbax marks a pytree item by its `_METADATA` file. A directory holding any
+    jaxstrategy step is not taken for one.
+    """
+    if not directory.is_dir():
+        return None
+    if (directory / orbax_compat.PYTREE_METADATA_FILE).is_file():
+        return {None: directory}
+    items = {}
+    for entry in directory.iterdir():
+        if not STEP_NAME.fullmatch(entry.name):
+            continue
+        if is_complete(entry):
+            return None
+        if (entry / orbax_compat.DEFAULT_ITEM_NAME / orbax_compat.PYTREE_METADATA_FILE).is_file():
+            items[int(entry.name)] = entry / orbax_compat.DEFAULT_ITEM_NAME
+    return dict(sorted(items.items())) or None
+
+
+def plain_orbax_item(items: dict[int | None, Path], step: int | None, directory: Path) -> Path:
+    """The item of `step` (the newest when None) among a plain orbax checkpoint's `items`."""
+    if None in items:
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"Checkpointer.restore(): {directory} is a single checkpoint written by orbax's "
+                f"StandardCheckpointer, without steps, so it has no step {step!r}. Restore it with "
+                "step=None."
+            )
+        return items[None]
+    steps = list(items)
+    if step is None:
+        step = steps[-1]
+    check_step(step, "Checkpointer.restore()")
+    if step not in items:
+        raise CheckpointNotFoundError(
+            f"No checkpoint for step {step} in {directory}, written by orbax's CheckpointManager; "
+            f"it holds steps {steps}."
+        )
+    return items[step]
+
+
+def restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+    """Restore a pytree item written by orbax alone (no PRNG keys or zero-size arrays in it)."""
+    where = f"{item} (written by orbax alone)"
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        try:
+            saved = handler.metadata(item)
+        except Exception as error:
+            raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+        def read(abstract: PyTree) -> PyTree:
+            return handler.restore(item, args=ocp.args.StandardRestore(abstract))
+
+        return _restore_state(read, saved, {}, {}, sharding, target, where)
+    finally:
+        handler.close()
+
+
+def restore_step(
+    manager: ocp.CheckpointManager,
+    directory: Path,
+    step: int,
+    sharding: jax.sharding.Sharding,
+    target: PyTree,
+    *,
+    verify: bool = True,
+) -> PyTree:
+    """Restore `step` of `manager`'s checkpoint in `directory` onto `sharding`, shaped as `target`
+    (the saved structure when None), its leaves checked against their checksums when `verify`."""
+    where = f"step {step} in {directory}"
+    try:
+        metadata = manager.item_metadata(step)
+        saved = metadata[STATE_ITEM]
+        # Steps saved without zero-size arrays, or before checksums, have no such item.
+        present = metadata.keys()
+        items = {PRNG_KEYS_ITEM: ocp.args.JsonRestore()}
+        if ZERO_SIZE_SHAPES_ITEM in present:
+            items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonRestore()
+        if verify and CHECKSUMS_ITEM in present:
+            items[CHECKSUMS_ITEM] = checksums.ChecksumRestore()
+        values = manager.restore(step, args=ocp.args.Composite(**items))
+        prng_impls = values[PRNG_KEYS_ITEM] or {}
+        shapes = values[ZERO_SIZE_SHAPES_ITEM] if ZERO_SIZE_SHAPES_ITEM in items else {}
+        zero_size = {path: tuple(shape) for path, shape in shapes.items()}
+        saved_checksums = checksums.read(values[CHECKSUMS_ITEM]) if CHECKSUMS_ITEM in items else None
+    except Exception as error:
+        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+    def read(abstract: PyTree) -> PyTree:
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)})
+        return manager.restore(step, args=args)[STATE_ITEM]
+
+    return _restore_state(
+        read, saved, prng_impls, zero_size, sharding, target, where, saved_checksums=saved_checksums
+    )
+
+
+def _restore_state(
+    read: Callable[[PyTree], PyTree],
+    saved: PyTree,
+    prng_impls: dict[str, str],
+    zero_size: dict[str, tuple[int, ...]],
+    sharding: jax.sharding.Sharding,
+    target: PyTree,
+    where: str,
+    *,
+    saved_checksums: dict[str, int] | None = None,
+) -> PyTree:
+    """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`.
+
+    With `saved_checksums`, the leaves read are checked against them, as stored (PRNG keys as
+    their data, 64-bit leaves before they are narrowed).
+    """
+    saved_leaves = {}
+    for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        name = stored_leaves.path_string(path)
+        saved_leaves[name] = (zero_size.get(name, tuple(meta.shape)), np.dtype(meta.dtype))
+    if target is None:
+        abstract = jax.tree.map(
+            lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding), saved
+        )
+    else:
+        abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
+    abstract = stored_leaves.wide_on_host(stored_leaves.as_stored(abstract, zero_size))
+    try:
+        restored = jax.block_until_ready(
+            read(abstract)
+        )  # Read errors surface here, not in the caller's step.
+    except Exception as error:
+        orbax_compat.drop_abandoned_reads(error)
+        raise CorruptCheckpointError(_read_failure(error, saved, where)) from error
+    if saved_checksums:
+        _verify(restored, saved_checksums, where)
+    restored = stored_leaves.narrow_wide(restored, sharding, where)
+    restored = stored_leaves.restore_zero_size(restored, zero_size, sharding)
+    return stored_leaves.wrap_prng_keys(restored, prng_impls)
+
+
+def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
+    """The message for orbax failing to read the arrays: the leaf (when its error names it) and why.
+
+    Orbax wraps tensorstore's error (such as `ZSTD_decompressStream() failed`) in one that spells
+    out the whole TensorStore spec; the leaf is the `'path'` of that spec, orbax's name for it.
+    """
+    cause: BaseException = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    names = {
+        ".".join(stored_leaves.path_parts(path)): stored_leaves.path_string(path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(saved)[0]
+    }
+    leaves = {names[key] for key in _SPEC_PATH.findall(str(error)) if key in names}
+    if len(leaves) != 1:
+        return f"Cannot read the checkpoint at {where}: {cause}"
+    return (
+        f"Cannot read the checkpoint at {where}: the data of the leaf {leaves.pop()!r} cannot be "
+        f"read, so its files were damaged or changed after the save ({cause}). Restore another step."
+    )
+
+
+def _verify(restored: PyTree, saved_checksums: dict[str, int], where: str) -> None:
+    damaged = checksums.mismatches(restored, saved_checksums)
+    if damaged:
+        raise CorruptCheckpointError(
+            f"Cannot read the checkpoint at {where}: the bytes read for these leaves differ from "
+            "those saved (their checksums, written with the step, do not match), so its files were "
+            f"damaged or changed after the save:{bullet_list(damaged)}\nRestore another step, or "
+            "restore with verify=False to get the damaged values anyway."
+        )
+
+
+def _abstract_target(
+    target: PyTree,
+    saved: dict[str, tuple[tuple[int, ...], np.dtype]],
+    prng_impls: dict[str, str],
+    where: str,
+    sharding: jax.sharding.Sharding,
+) -> PyTree:
+    problems = []
+    wanted = {}
+    unusable: set[str] = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        name = stored_leaves.path_string(path)
+        if isinstance(leaf, PYTHON_SCALARS):
+            leaf = jnp.asarray(leaf)
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            problems.append(
+                f"{name}: the target leaf is a {type(leaf).__name__}, not an array or ShapeDtypeStruct"
+            )
+            unusable.add(name)  # Reported once, not again as missing from the target.
+            continue
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+            if name not in prng_impls:
+                problems.append(
+                    f"{name}: the target holds PRNG keys, the checkpoint plain {_format(saved.get(name))}"
+                )
+                continue
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+            shape, dtype = tuple(data.shape), data.dtype
+        wanted[name] = (shape, np.dtype(dtype))
+    for name in sorted(wanted.keys() - saved.keys()):
+        problems.append(f"{name}: in the target, not in the checkpoint")
+    for name in sorted(saved.keys() - wanted.keys() - unusable):
+        problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
+    for name in sorted(wanted.keys() & saved.keys()):
+        if wanted[name] != saved[name]:
+            problems.append(
+                f"{name}: the checkpoint has {_format(saved[name])}, the target {_format(wanted[name])}"
+            )
+    if problems:
+        listed = problems[:_MAX_LISTED]
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointMismatchError(
+            f"The target does not match the checkpoint at {where}; nothing was restored:"
+            f"{bullet_list(listed)}{more}"
+        )
+
+    def abstract_leaf(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
+        shape, dtype = wanted[stored_leaves.path_string(path)]
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(abstract_leaf, target)
+
+
+def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+    if shape_and_dtype is None:
+        return "nothing"
+    shape, dtype = shape_and_dtype
+    return f"{dtype.name}{list(shape)}"

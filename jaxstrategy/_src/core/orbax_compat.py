@@ -1,0 +1,104 @@
+"""Every private orbax name jaxstrategy relies on, each reached through the places it has been seen.
+
+Checkpoints lean on a few facts orbax keeps outside its public API: the suffix of the temporary
+directory a step is written into (an unfinished save leaves it behind), the file that marks a
+pytree item and the item name a one-item `CheckpointManager` gives, which tell a checkpoint
+written by orbax alone, and the coroutine that reads one leaf, whose abandoned copies print
+"Exception ignored" when a read fails. As in `jax_compat.py`, each entry lists the paths it may
+be found at, the preferred first, tagged with the orbax versions seen having it (0.12.8, installed
+here); a fallback value, what those versions hold, serves where none resolves, so that a moved
+constant changes nothing for users. `tests/core/test_orbax_compat.py` checks that each entry
+resolves through its first path, and to its fallback, on the installed orbax: an upgrade that
+moves or changes one fails there, by name.
+
+Orbax is imported only by the checkpoint modules, which import this one: importing jaxstrategy
+does not import orbax.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import sys
+import traceback
+from typing import Any
+
+from absl import logging as absl_logging
+
+from jaxstrategy._src.core.jax_compat import resolve
+
+# The suffix of the directory orbax writes step N into (`N.orbax-checkpoint-tmp`; versions before
+# 0.5 add `-<timestamp>`). In `atomicity_types` from 0.11 on.
+TMP_DIR_SUFFIX_PATHS = ("orbax.checkpoint._src.path.atomicity_types:TMP_DIR_SUFFIX",)
+TMP_DIR_SUFFIX_FALLBACK = ".orbax-checkpoint-tmp"
+# The file marking a pytree item (`StandardCheckpointer` writes it beside the arrays).
+PYTREE_METADATA_FILE_PATHS = ("orbax.checkpoint._src.path.format_utils:PYTREE_METADATA_FILE",)
+PYTREE_METADATA_FILE_FALLBACK = "_METADATA"
+# The item a `CheckpointManager` saving one unnamed item writes: public module, constant.
+DEFAULT_ITEM_NAME_PATHS = ("orbax.checkpoint.checkpoint_manager:DEFAULT_ITEM_NAME",)
+DEFAULT_ITEM_NAME_FALLBACK = "default"
+# The coroutine that reads one array's part and puts it on its device.
+READ_COROUTINE_PATHS = ("orbax.checkpoint._src.serialization.serialization:_read_array_index_and_device_put",)
+READ_COROUTINE_FALLBACK = "_read_array_index_and_device_put"
+
+
+def _resolved(paths: tuple[str, ...], fallback: str) -> str:
+    found = resolve(paths)
+    if found is None:
+        return fallback
+    value = found[1]
+    # A function stands for its name (what an unraisable coroutine reports as `__qualname__`).
+    return str(getattr(value, "__qualname__", value))
+
+
+def _constants() -> tuple[str, str, str, str]:
+    import orbax.checkpoint  # noqa: F401  (imports the modules named above)
+
+    return (
+        _resolved(TMP_DIR_SUFFIX_PATHS, TMP_DIR_SUFFIX_FALLBACK),
+        _resolved(PYTREE_METADATA_FILE_PATHS, PYTREE_METADATA_FILE_FALLBACK),
+        _resolved(DEFAULT_ITEM_NAME_PATHS, DEFAULT_ITEM_NAME_FALLBACK),
+        _resolved(READ_COROUTINE_PATHS, READ_COROUTINE_FALLBACK),
+    )
+
+
+TMP_DIR_SUFFIX, PYTREE_METADATA_FILE, DEFAULT_ITEM_NAME, READ_COROUTINE = _constants()
+# What orbax names the temporary directory of step N.
+UNFINISHED_STEP = re.compile(rf"(0|[1-9][0-9]*){re.escape(TMP_DIR_SUFFIX)}.*")
+
+
+def logger() -> logging.Logger:
+    """The logger orbax reports failed writes through: absl's, a standard `logging.Logger`."""
+    return absl_logging.get_absl_logger()
+
+
+def drop_abandoned_reads(error: BaseException) -> None:
+    """Collect the reads orbax abandoned when it raised `error`, without their messages on stderr.
+
+    When orbax cannot read one leaf, it abandons the reads of the others, each of which, once
+    garbage collected, prints "Exception ignored in: <coroutine ...>" with a traceback (orbax
+    turns the GeneratorExit that closes it into an Exception). They are reachable from the frames
+    of `error`'s traceback (and its causes'), which are cleared here: the tracebacks keep their
+    lines, not the frames' variables. Reads that tensorstore still holds at that moment (it
+    happens, now and then) are collected, and print, later.
+    """
+    original = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if getattr(unraisable.object, "__qualname__", None) != READ_COROUTINE:
+            original(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        # Clearing a suspended coroutine's frame closes it: the messages start here already.
+        seen = set()
+        current: BaseException | None = error
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            if current.__traceback__ is not None:
+                traceback.clear_frames(current.__traceback__)
+            current = current.__cause__ or current.__context__
+        gc.collect()
+    finally:
+        sys.unraisablehook = original

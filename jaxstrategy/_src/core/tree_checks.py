@@ -1,0 +1,131 @@
+"""Checks on the leaves of pytrees: which are arrays, and errors that name every bad one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstrategy._src.core.errors import bullet_list, format_path
+from jaxstrategy._src.core.types import PyTree
+
+# The Python scalars JAX traces as weakly typed arrays.
+PYTHON_SCALARS = (bool, int, float, complex)
+# JAX arrays (tracers included) and those scalars.
+_TRACED_TYPES = (jax.Array, *PYTHON_SCALARS)
+
+
+def is_array_like(x: Any) -> bool:
+    """Whether `x` is a value JAX traces: a JAX or numeric numpy array or scalar, or a Python number.
+
+    Everything else (strings, enums, configs, functions) is a static, compile-time value. An
+    `IntEnum` member is an int, and `jax.jit` traces it like one; use a plain `Enum` for a static
+    choice of code path.
+    """
+    if isinstance(x, _TRACED_TYPES):
+        return True
+    if isinstance(x, np.ndarray | np.generic):
+        # jnp.issubdtype, unlike numpy's, knows the ml_dtypes types such as bfloat16.
+        return x.dtype == np.bool_ or jnp.issubdtype(x.dtype, jnp.number)
+    return hasattr(x, "__jax_array__")
+
+
+def require_array_leaves(tree: PyTree, *, caller: str, name: str = "value", why: str = "") -> None:
+    """Raise a TypeError that names, by path, every leaf of `tree` that is not array-like."""
+    bad = [
+        f"{format_path(name, path)} is a {type(leaf).__name__}"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if not is_array_like(leaf)
+    ]
+    if bad:
+        raise TypeError(f"{caller}: every leaf must be an array{why}:{bullet_list(bad)}")
+
+
+_INT32 = np.iinfo(np.int32)
+_UINT32 = np.iinfo(np.uint32)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def require_representable(
+    tree: PyTree, *, caller: str, name: str = "value", is_leaf: Callable[[Any], bool] | None = None
+) -> None:
+    """Raise an OverflowError that names every leaf whose values JAX would silently change.
+
+    With `jax_enable_x64` off (JAX's default), JAX stores 64-bit numbers in 32 bits: integers
+    outside int32's (uint32's) range wrap around, and finite floats beyond float32's range become
+    inf. Only host values are checked, JAX arrays being 32-bit already; Python ints are checked
+    too, so that the error names the leaf. Subtrees `is_leaf` picks are not looked into.
+    """
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on.
+        return
+    if not any(map(_may_be_unrepresentable, jax.tree.leaves(tree, is_leaf=is_leaf))):
+        return  # Spares the paths, dear to build: run's checked path asks this of every call.
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        problem = _unrepresentable(leaf)
+        if problem:
+            bad.append(f"{format_path(name, path)} {problem}")
+    if bad:
+        raise OverflowError(
+            f"{caller}: these values do not fit the 32-bit types JAX uses while jax_enable_x64 is "
+            f"off, and would change silently:{bullet_list(bad)}\nCast them to a type that holds them, "
+            "or turn 64-bit types on with jax.config.update('jax_enable_x64', True) before using JAX."
+        )
+
+
+_WIDE_NUMPY_SCALARS = frozenset({np.int64, np.uint64, np.float64})
+# Python number types, which never hold a 64-bit host value (JAX checks Python ints' range
+# itself); by exact type, since numpy's float64 is a subclass of float.
+_PYTHON_NUMBER_TYPES = frozenset(PYTHON_SCALARS)
+
+
+def has_wide_host_leaf(tree: PyTree) -> bool:
+    """Whether `tree` holds a 64-bit numpy integer or float: a leaf `require_representable` checks.
+
+    Cheap enough for `run`'s hot path, which sends trees holding one to the checked path.
+    """
+    if type(tree) is tuple and all(
+        type(arg) in _PYTHON_NUMBER_TYPES or isinstance(arg, jax.Array) for arg in tree
+    ):
+        return False  # Spares the flattening: run's arguments are often arrays and numbers.
+    return any(map(is_wide_host_leaf, jax.tree.leaves(tree)))
+
+
+def is_wide_host_leaf(leaf: Any) -> bool:
+    """Whether `leaf` is a 64-bit numpy integer or float (array or scalar)."""
+    kind = type(leaf)
+    if kind is np.ndarray:
+        return bool(leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf")
+    return kind in _WIDE_NUMPY_SCALARS
+
+
+def _may_be_unrepresentable(leaf: Any) -> bool:
+    """A cheap pre-check of `_unrepresentable`: False for the leaves it never objects to."""
+    return isinstance(leaf, int | np.ndarray | np.generic) and not isinstance(leaf, bool)
+
+
+def _unrepresentable(leaf: Any) -> str | None:
+    """What JAX would change in `leaf` with 32-bit types, or None."""
+    if isinstance(leaf, bool) or not isinstance(leaf, int | np.ndarray | np.generic):
+        return None
+    if isinstance(leaf, int):  # Traced as a weakly typed int32.
+        if _INT32.min <= leaf <= _INT32.max:
+            return None
+        return f"is the Python int {leaf}, outside int32's {_INT32.min} to {_INT32.max}"
+    if leaf.dtype.itemsize != 8 or leaf.dtype.kind not in "iuf" or leaf.size == 0:
+        return None
+    if leaf.dtype.kind == "f":
+        floats = np.asarray(leaf)
+        finite = np.abs(floats[np.isfinite(floats)])
+        if finite.size == 0 or finite.max() <= _FLOAT32_MAX:
+            return None
+        return f"is float64 with the finite value {finite.max():g}, beyond float32's range (it would be inf)"
+    limits = _UINT32 if leaf.dtype.kind == "u" else _INT32
+    low, high = int(leaf.min()), int(leaf.max())
+    if limits.min <= low and high <= limits.max:
+        return None
+    values = f"the value {low}" if low == high else f"values from {low} to {high}"
+    return f"is {leaf.dtype} with {values}, outside {limits.dtype}'s {limits.min} to {limits.max}"

@@ -1,0 +1,680 @@
+"""`Strategy`: the TensorFlow-shaped methods every strategy shares, as thin checked facades.
+
+Each method checks its arguments and context eagerly (before anything is traced), then hands
+off to module-level functions or to the two hooks a concrete strategy supplies: how to reduce
+and gather its values across replicas.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+
+from jaxstrategy._src.core.device_spec import canonical_name
+from jaxstrategy._src.core.errors import caller_stacklevel
+from jaxstrategy._src.core.tree_checks import has_wide_host_leaf, require_representable
+from jaxstrategy._src.core.types import PyTree, StepFn
+from jaxstrategy._src.input import datasets
+from jaxstrategy._src.input.datasets import DistributedDataset, DistributedIterator
+from jaxstrategy._src.input.replica_batches import ReplicaLayout
+from jaxstrategy._src.steps import nnx_objects
+from jaxstrategy._src.steps.cache import NOT_COMPILED, NeedsSlowPath, StepCache
+from jaxstrategy._src.steps.in_flight import InFlightLimit
+from jaxstrategy._src.values import contexts
+from jaxstrategy._src.values.contexts import InputContext, ValueContext
+from jaxstrategy._src.values.options import InputOptions, RunOptions
+from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op
+from jaxstrategy._src.values.variables import place_tree
+
+_current_state = contexts.STATE.get
+_OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyExtended:
+    """`strategy.extended`: TensorFlow's read-only facts about a strategy's devices and roles.
+
+    Attributes:
+      worker_devices: the compute devices, as TensorFlow's canonical names.
+      parameter_devices: where variables live, as TensorFlow's canonical names.
+      experimental_between_graph: always False (one program drives every device).
+      experimental_should_init: whether this process initialises variables.
+      should_checkpoint: whether this process should save checkpoints.
+      should_save_summary: whether this process should write summaries.
+      experimental_require_static_shapes: False; JAX compiles one program per shape.
+    """
+
+    worker_devices: tuple[str, ...]
+    parameter_devices: tuple[str, ...]
+    experimental_between_graph: bool = False
+    experimental_should_init: bool = True
+    should_checkpoint: bool = True
+    should_save_summary: bool = True
+    experimental_require_static_shapes: bool = False
+
+
+class Strategy(abc.ABC):
+    """The `tf.distribute.Strategy` API over JAX devices; see `OneDeviceStrategy`."""
+
+    # `run`'s and `init`'s compiled steps are built on first use, not in `__init__`: they read
+    # the hooks below, which read a subclass's fields, so a subclass's `__init__` may set those
+    # before or after calling `super().__init__()`. `cached_property` stores each in the
+    # instance's `__dict__`, where later look-ups find it as fast as a plain attribute; the
+    # `setdefault` keeps one cache per strategy where threads race to build it (Python 3.12's
+    # `cached_property` no longer locks).
+
+    @functools.cached_property
+    def _run_steps(self) -> StepCache:
+        steps = StepCache(
+            in_shardings=self._run_input_shardings,
+            out_shardings=self._run_output_sharding,
+            program=self._run_program,
+            caller=f"{type(self).__name__}.run()",
+            in_flight_limit=self._run_in_flight_limit,
+            admits=self._admits_fast_call,
+        )
+        return self.__dict__.setdefault("_run_steps", steps)
+
+    def _run_program(self, fn: StepFn) -> StepFn:
+        """`_replica_program(fn)`, refusing, when traced, NNX objects nested in the arguments.
+
+        `_admits_fast_call` looks at the top-level arguments only (it runs every step); a Module
+        inside a dict would reach a step compiled for arrays as a plain pytree, and its updates
+        would be lost. This check costs nothing per step: it runs when a call traces.
+        """
+        program = self._replica_program(fn)
+
+        def checked(*args: Any, **kwargs: Any) -> PyTree:
+            if nnx_objects.find_objects((args, kwargs)) is not None:
+                raise NeedsSlowPath("NNX objects among the arguments: run unpacks them.")
+            return program(*args, **kwargs)
+
+        return checked
+
+    def _admits_fast_call(self, args: tuple[Any, ...]) -> bool:
+        """Whether `run` with these positional arguments may call a step compiled before, as
+        they are: outside `run` and any other strategy's scope, with no NNX object among them
+        (it would go in as a pytree, and its updates be lost) and no 64-bit numpy leaf (it would
+        be narrowed to 32 bits unchecked)."""
+        state = _current_state()
+        return (
+            (state is _OUTSIDE_EVERY_SCOPE or (state.strategy is self and state.replica_context is None))
+            and not nnx_objects.any_object_among(args)
+            and not has_wide_host_leaf(args)
+        )
+
+    @functools.cached_property
+    def _init_steps(self) -> StepCache:
+        steps = StepCache(
+            in_shardings=self.sharding,
+            out_shardings=self.sharding,
+            program=self._cross_replica_program,
+            caller=f"{type(self).__name__}.init()",
+            scalars_are_static=True,
+        )
+        return self.__dict__.setdefault("_init_steps", steps)
+
+    # What a concrete strategy supplies.
+
+    @property
+    @abc.abstractmethod
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices this strategy computes on, one per replica."""
+
+    @property
+    @abc.abstractmethod
+    def sharding(self) -> jax.sharding.Sharding:
+        """The sharding of variables: where `put` and `init` place their results."""
+
+    @abc.abstractmethod
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        """Wrap `fn` into what `run` compiles: `fn` on every replica, in its replica context."""
+
+    @property
+    def _run_input_shardings(self) -> jax.sharding.Sharding | Callable[[PyTree], PyTree]:
+        """Where `run` places its inputs: one sharding for all, or a function of `(args, kwargs)`
+        returning a sharding or a tree of them (see `StepCache`)."""
+        return self.sharding
+
+    def _shardings_for(
+        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
+    ) -> jax.sharding.Sharding | PyTree:
+        """Where `put` (and `run`, unless `_run_input_shardings` says otherwise) places the leaves
+        of `tree`: one sharding for all, or a tree of them shaped like `tree`. `caller` and
+        `describe` (a leaf's key path to its name) are for messages about bad leaves."""
+        return self.sharding
+
+    @property
+    def _run_output_sharding(self) -> jax.sharding.Sharding | None:
+        """Where `run` commits its outputs; None when `_replica_program` places them."""
+        return self.sharding
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        """How distributed datasets lay batches out over the replicas."""
+        return ReplicaLayout(self.sharding)
+
+    @property
+    def _input_pipeline(self) -> tuple[int, int]:
+        """`(num_input_pipelines, input_pipeline_id)` of this process's one pipeline."""
+        return 1, 0
+
+    @property
+    def _run_in_flight_limit(self) -> InFlightLimit | None:
+        """What bounds the `run` steps queued at once (None: nothing); see `InFlightLimit`."""
+        return None
+
+    def _cross_replica_program(self, fn: StepFn) -> StepFn:
+        def in_cross_replica_context(*args: Any, **kwargs: Any) -> PyTree:
+            with contexts.entered(self):
+                return fn(*args, **kwargs)
+
+        return in_cross_replica_context
+
+    @abc.abstractmethod
+    def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Make arrays created in `scope()` land on this strategy's device(s)."""
+
+    @abc.abstractmethod
+    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
+        """Reduce checked arguments across replicas (and along `axis` when not None)."""
+
+    @abc.abstractmethod
+    def _gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate the replicas' values of `value` along `axis`."""
+
+    @abc.abstractmethod
+    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Return the values of `value` on this process's replicas, as a tuple."""
+
+    @abc.abstractmethod
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], PyTree]
+    ) -> PyTree:
+        """Call `value_fn` for each replica with its `ValueContext` and distribute the results."""
+
+    # Shared behaviour.
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over which gradients are aggregated."""
+        return len(self.devices)
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver of a multi-worker strategy; None for single-process strategies."""
+        return None
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TensorFlow's `StrategyExtended` facts: device names and this process's roles."""
+        names = tuple(canonical_name(device) for device in self.devices)
+        return StrategyExtended(worker_devices=names, parameter_devices=names)
+
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """Make this strategy current, and its device JAX's default, for the `with` block.
+
+        Inside, `jaxstrategy.get_strategy()` returns this strategy and arrays created by JAX land
+        on its device (uncommitted, as under `jax.default_device`). Entering the scope of the same
+        strategy again is allowed, also through the same `scope()` object, as in TensorFlow;
+        another strategy's scope, or a scope inside `run`, is an error.
+
+        The current strategy is a context variable, so asyncio tasks inherit it and new threads
+        start without it; JAX's default device is per thread. So when asyncio tasks interleave
+        inside and outside a scope, arrays they create may land on the scope's device; pass
+        arrays through `put` (or `run`) to place them explicitly.
+
+        Raises:
+          StrategyContextError: (a `RuntimeError`) inside another strategy's scope, or inside
+            `run`.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+          >>> with strategy.scope() as current:
+          ...     v = jnp.ones(3)
+          >>> current is strategy, v.devices() == {strategy.device}
+          (True, True)
+        """
+        return contexts.StrategyScope(self)
+
+    def run(
+        self,
+        fn: StepFn,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> PyTree:
+        """Run `fn(*args, **kwargs)` compiled on the strategy's device(s), and return its outputs there.
+
+        `fn` is traced and compiled once per strategy (a bound method passed afresh each step
+        counts as the same function) and replayed afterwards, so Python side effects in `fn` happen
+        only while it is traced. Flax NNX objects among the arguments (a Module, an Optimizer,
+        `nnx.Rngs`) are updated in place, as under `nnx.jit`: after `run` they hold what `fn` left
+        in their Variables. Every other argument is a value: return new state and rebind it. A
+        bound method's object is read when the method is traced: later changes to its
+        attributes are not seen. While traced, `fn` runs in the replica context:
+        `jaxstrategy.get_replica_context()` gives the replica id and collectives.
+
+        Array-likes (jax and numpy arrays and scalars, Python bool/int/float/complex) are traced
+        and placed on the device, so a new Python int does not recompile and arrays committed to
+        another device are copied here. Other leaves (strings, enums, configs) are compile-time
+        constants and must be hashable. A Python bool is traced, so `if training:` fails: name such
+        a flag in `RunOptions(static_argnames=...)`, or pass a string or an `enum.Enum` member.
+        TensorFlow returns `fn`'s raw Python result; here outputs are jax arrays committed to the
+        device.
+
+        Args:
+          fn: the function to run; it must return a pytree of arrays.
+          args: positional arguments, a tuple or list.
+          kwargs: keyword arguments, a dict.
+          options: a `RunOptions`; `donate_argnums` / `donate_argnames` donate buffers, and
+            `static_argnums` / `static_argnames` make arguments compile-time constants.
+
+        Returns:
+          `fn`'s outputs, as jax arrays committed to the device (on `MirroredStrategy`, outputs
+          that may differ between replicas come back as `PerReplica`).
+
+        Raises:
+          TypeError: `fn` is not callable; `kwargs` or `options` has the wrong type; an argument
+            that is not an array is not hashable (each such argument is named by path).
+          ValueError: `args` is not a tuple or list; a donated array is passed twice; `fn`
+            updates an NNX object with values that may differ between replicas, or changes an
+            object's structure (adds an attribute or a Variable).
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> out = strategy.run(lambda x, scale: {'y': x * scale}, args=(3,), kwargs={'scale': 2.0})
+          >>> out['y'].tolist(), out['y'].committed
+          (6.0, True)
+
+          An NNX object is updated in place:
+
+          >>> from flax import nnx
+          >>> counter = strategy.put(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+          >>> def add_one(layer):
+          ...     layer.bias[...] = layer.bias[...] + 1
+          >>> for _ in range(3):
+          ...     strategy.run(add_one, args=(counter,))
+          >>> counter.bias[...].tolist()
+          [3.0]
+        """
+        # The hot path (see steps/cache.py): a function already compiled for array arguments,
+        # called with a tuple of them, that `_admits_fast_call` lets through.
+        if kwargs is None and type(args) is tuple and (options is None or type(options) is RunOptions):
+            result = self._run_steps.call_fast(fn, args, options)
+            if result is not NOT_COMPILED:
+                return result
+        return self._run_checked(fn, args, kwargs, options)
+
+    def _run_state(
+        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
+    ) -> PyTree:
+        """Run the step `run_with_objects` made of `fn`, on the hot path once it is compiled."""
+        result = NOT_COMPILED if kwargs else self._run_steps.call_fast(fn, args, options)
+        return self._run_steps(fn, args, kwargs, options) if result is NOT_COMPILED else result
+
+    def _run_checked(
+        self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
+    ) -> PyTree:
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.run(): fn must be callable; got {fn!r}.")
+        if type(args) is not tuple:
+            if not isinstance(args, tuple | list):
+                raise ValueError(
+                    f"{type(self).__name__}.run(): positional args must be a list or tuple, got "
+                    f"{type(args).__name__}. Pass a single argument as args=(x,)."
+                )
+            args = tuple(args)
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise TypeError(
+                f"{type(self).__name__}.run(): kwargs must be a dict; got {type(kwargs).__name__}."
+            )
+        if options is not None and not isinstance(options, RunOptions):
+            raise TypeError(
+                f"{type(self).__name__}.run(): options must be a jaxstrategy.RunOptions; got {options!r}."
+            )
+        caller = f"{type(self).__name__}.run()"
+        inputs = [*args, *kwargs.values()]
+        if any(isinstance(arg, DistributedIterator | DistributedDataset) for arg in inputs):
+            raise ValueError(
+                f"{caller}: an argument is a distributed dataset or iterator; run takes its "
+                "elements. Pass strategy.run(step_fn, args=(next(iterator),)), or loop "
+                "`for batch in dataset:` and pass `batch`."
+            )
+        contexts.require_cross_replica_context(
+            self, caller, in_run_hint="Call the inner function directly instead of through run()."
+        )
+        # Not into NNX objects: their Variables hold arrays `put` placed, and flattening a model
+        # costs as much as the rest of run's checks.
+        require_representable(args, caller=caller, name="args", is_leaf=nnx_objects.is_object)
+        require_representable(kwargs, caller=caller, name="kwargs", is_leaf=nnx_objects.is_object)
+        user_args = args
+        fn, args = nnx_objects.callee_as_argument(fn, args)
+        found = nnx_objects.find_objects((args, kwargs))
+        if found is not None:
+            donated = frozenset[int]()
+            if options is not None:
+                if options.static_argnums or options.static_argnames:
+                    raise ValueError(
+                        f"{caller}: RunOptions' static arguments cannot be combined with Flax NNX "
+                        "objects among the arguments (their state is passed for them). Leave them "
+                        "out, or pass the objects' state (nnx.split) in their place."
+                    )
+                donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
+            return nnx_objects.run_with_objects(self._run_state, fn, found, caller, donated)
+        return self._run_steps(fn, args, kwargs, options)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
+        """Combine `value` across replicas, and along `axis` within each replica unless it is None.
+
+        A `PerReplica` leaf combines its components: SUM adds them, MEAN averages them (as the
+        global sum over the global count when `axis` is given). Any other leaf stands for the
+        same value on every replica: SUM multiplies it by the number of replicas (as TensorFlow
+        does with an axis; without one it raises) and MEAN returns it as it is. With an axis (an
+        int or a tuple of ints), every leaf must be an array with that axis; MEAN of integers
+        gives JAX's default float (TensorFlow gives float64).
+
+        On `OneDeviceStrategy` reducing across its one replica is a no-op: with `axis=None`,
+        `value` is returned unchanged, whatever it is.
+
+        Args:
+          reduce_op: `ReduceOp.SUM` or `ReduceOp.MEAN`, or its name in any case.
+          value: a pytree of arrays and `PerReplica`s, such as `run`'s result.
+          axis: required, as in TensorFlow: None, or the axis (or axes) of each replica's value
+            to reduce as well.
+
+        Returns:
+          The reduced pytree, committed to `self.sharding` (on `MirroredStrategy`, replicated on
+          every device); on `OneDeviceStrategy` with `axis=None`, `value` itself.
+
+        Raises:
+          ValueError: an unknown reduce op name; an axis out of range for a leaf, or a scalar leaf
+            with an axis (each such leaf is named).
+          TypeError: `reduce_op` of the wrong type; a leaf that is not an array (on
+            `OneDeviceStrategy`, only with an axis).
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> t = jnp.arange(10)
+          >>> strategy.reduce(jaxstrategy.ReduceOp.SUM, t, axis=None).tolist()
+          [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+          >>> strategy.reduce('sum', t, axis=0).tolist()
+          45
+
+          On two replicas, a `PerReplica` combines its components:
+
+          >>> mirrored = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> losses = mirrored.experimental_distribute_values_from_function(
+          ...     lambda context: jnp.float32(context.replica_id_in_sync_group + 1))
+          >>> [mirrored.reduce(op, losses, axis=None).tolist() for op in ('sum', 'mean')]
+          [3.0, 1.5]
+        """
+        caller = f"{type(self).__name__}.reduce()"
+        contexts.require_cross_replica_context(
+            self,
+            caller,
+            in_run_hint="Use jaxstrategy.get_replica_context().all_reduce() inside run, or "
+            "return the value from run and reduce it outside.",
+        )
+        return self._reduce(as_reduce_op(reduce_op, caller=caller), value, axis)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenate the replicas' values of `value` along `axis`, in replica order.
+
+        A leaf that is not a `PerReplica` is the same on every replica, so its copies are
+        concatenated; on `OneDeviceStrategy`, with one replica, `value` comes back unchanged.
+        Every leaf must be an array with an axis `axis`, however many replicas there are
+        (TensorFlow's OneDeviceStrategy accepts scalars and any axis here, so code that fails on
+        many devices would pass on one).
+
+        Args:
+          value: a pytree of arrays (and `PerReplica`s) of rank 1 or more.
+          axis: the axis to concatenate along, in [-rank, rank).
+
+        Returns:
+          The gathered pytree, committed to `self.sharding` (on `MirroredStrategy`, replicated on
+          every device); on `OneDeviceStrategy`, `value` itself.
+
+        Raises:
+          ValueError: a scalar leaf, or `axis` out of a leaf's range.
+          TypeError: a leaf that is not an array, or an `axis` that is not an int.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> strategy.gather(jnp.arange(6).reshape(1, 2, 3), axis=1).shape
+          (1, 2, 3)
+
+          On four replicas, each holding the same value:
+
+          >>> mirrored = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1', '/cpu:2', '/cpu:3'])
+          >>> value = mirrored.experimental_distribute_values_from_function(
+          ...     lambda _: jnp.arange(6).reshape(1, 2, 3))
+          >>> [mirrored.gather(value, axis).shape for axis in (0, 1, 2)]
+          [(4, 2, 3), (1, 8, 3), (1, 2, 12)]
+        """
+        contexts.require_cross_replica_context(
+            self,
+            f"{type(self).__name__}.gather()",
+            in_run_hint="Use jaxstrategy.get_replica_context().all_gather() inside run instead.",
+        )
+        return self._gather(value, axis)
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Wrap `dataset` so that its batches arrive on the device(s), prefetched in the background.
+
+        `dataset` is any iterable of batches, each a pytree of arrays: a list, a generator, numpy
+        arrays, a `tf.data.Dataset`, a torch `DataLoader` or a Grain loader (leaves with
+        `__array__` or `.numpy()`); none of those libraries is imported. Every `iter()` starts a
+        fresh pass with a background thread that keeps
+        `options.experimental_per_replica_buffer_size` batches (2 by default: double buffering)
+        placed ahead of the step; on CPU devices, a source already in memory (a list, tuple or
+        numpy array) is placed on the calling thread instead, by default, since there a thread
+        only takes cores from the step. A one-shot source (a generator object) allows one pass; a second
+        is an error.
+
+        Each batch is a global batch. On `OneDeviceStrategy` it arrives whole, a partial last
+        batch included. On `MirroredStrategy` (on any number of devices) it is split along its
+        first axis with one sharded `device_put` and arrives as a `PerReplica`, one slice per
+        replica; a batch the replicas do not divide is a `ValueError` when it is reached, unless
+        `options.partial_batch` is `"drop"` (skip it, with a warning) or `"pad"` (pad it and
+        yield `(batch, mask)` pairs). On `MultiWorkerMirroredStrategy` every process reads the
+        same source and keeps its own replicas' parts of each global batch.
+
+        Args:
+          dataset: the source of batches.
+          options: an `InputOptions`; `experimental_fetch_to_device=False` yields host numpy arrays,
+            `experimental_per_replica_buffer_size=0` turns the background thread off.
+
+        Returns:
+          A `DistributedDataset`.
+
+        Raises:
+          TypeError: `dataset` is not iterable, or `options` is not an `InputOptions`.
+          NotImplementedError: `InputReplicationMode.PER_REPLICA`, as in TensorFlow.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> dist_dataset = strategy.experimental_distribute_dataset(np.arange(10).reshape(5, 2))
+          >>> for x in dist_dataset:
+          ...     print(x.tolist(), x.committed)
+          [0, 1] True
+          [2, 3] True
+          [4, 5] True
+          [6, 7] True
+          [8, 9] True
+        """
+        caller = f"{type(self).__name__}.experimental_distribute_dataset()"
+        options = datasets.input_options(options, caller, per_replica_supported=False)
+        contexts.require_cross_replica_context(
+            self, caller, in_run_hint="Distribute the dataset outside run()."
+        )
+        return datasets.distribute_dataset(dataset, layout=self._batch_layout, options=options, caller=caller)
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Deprecated, as in TensorFlow: the old name of `distribute_datasets_from_function`.
+
+        Warns with a `DeprecationWarning`, then does the same.
+
+        Example:
+          >>> import warnings, numpy as np, jaxstrategy
+          >>> with warnings.catch_warnings(record=True) as caught:
+          ...     warnings.simplefilter('always')
+          ...     inputs = jaxstrategy.OneDeviceStrategy().experimental_distribute_datasets_from_function(
+          ...         lambda context: [np.ones(2)])
+          >>> caught[0].category.__name__, [batch.shape for batch in inputs]
+          ('DeprecationWarning', [(2,)])
+        """
+        warnings.warn(
+            f"{type(self).__name__}.experimental_distribute_datasets_from_function() is deprecated, as "
+            "in TensorFlow: call distribute_datasets_from_function() instead, which does the same.",
+            DeprecationWarning,
+            stacklevel=caller_stacklevel(),
+        )
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Call `dataset_fn` once per input pipeline with its `InputContext`; distribute the result.
+
+        With one process there is one pipeline: `dataset_fn` is called once, with
+        `InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=...)`. Its
+        elements are per-replica batches, never split: on several replicas, replica `i` of each
+        step takes the `i`-th of `num_replicas_in_sync` consecutive elements, as in TensorFlow, and
+        elements left over for fewer than all replicas follow `options.partial_batch`. With
+        `InputReplicationMode.PER_REPLICA`, `dataset_fn` is called once per replica instead, and
+        replica `i` reads the `i`-th dataset. Batches are prefetched as by
+        `experimental_distribute_dataset`.
+
+        On `MultiWorkerMirroredStrategy` each process is one pipeline
+        (`num_input_pipelines=jax.process_count()`, `input_pipeline_id=jax.process_index()`)
+        whose elements go to that process's replicas in the same way, and the processes' inputs
+        end at the same step: where one runs out first, all stop there, with a warning.
+
+        Raises:
+          TypeError: `dataset_fn` is not callable or returns something that is not iterable.
+          NotImplementedError: `InputReplicationMode.PER_REPLICA` on `OneDeviceStrategy`, as in
+            TensorFlow.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> def dataset_fn(input_context):
+          ...     batch_size = input_context.get_per_replica_batch_size(4)
+          ...     return [np.ones(batch_size)] * 3
+          >>> inputs = strategy.distribute_datasets_from_function(dataset_fn)
+          >>> [batch.shape for batch in inputs]
+          [(4,), (4,), (4,)]
+        """
+        caller = f"{type(self).__name__}.distribute_datasets_from_function()"
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"{caller}: dataset_fn must be a function of an InputContext returning the dataset; "
+                f"got {type(dataset_fn).__name__}. To distribute a dataset itself, use "
+                "experimental_distribute_dataset."
+            )
+        layout = self._batch_layout
+        options = datasets.input_options(options, caller, per_replica_supported=layout.stacked)
+        contexts.require_cross_replica_context(
+            self, caller, in_run_hint="Distribute the dataset outside run()."
+        )
+        return datasets.distribute_datasets_from_function(
+            dataset_fn, layout=layout, input_pipeline=self._input_pipeline, options=options, caller=caller
+        )
+
+    def put(self, tree: PyTree) -> PyTree:
+        """Return `tree` as variables: every leaf a jax array committed to `self.sharding`.
+
+        On `MirroredStrategy` a `PerReplica` leaf stays one component per replica, split over
+        them; every other leaf is replicated. A Flax NNX object (a Module, an Optimizer) in
+        `tree` has its Variables committed in place and is returned itself.
+
+        Numpy leaves bound for a CPU device are copied, because JAX may otherwise share their
+        memory and a later write to the numpy array would change the variable.
+
+        Raises:
+          TypeError: a leaf is not an array-like; every such leaf is named by its path.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> params = strategy.put({'w': np.zeros((2, 3)), 'b': 0.0})
+          >>> params['w'].committed, params['b'].dtype.name
+          (True, 'float32')
+        """
+        caller = f"{type(self).__name__}.put()"
+        contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
+
+        def place(tree: PyTree) -> PyTree:
+            return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
+
+        found = nnx_objects.find_objects(tree)
+        return place(tree) if found is None else nnx_objects.put_objects(found, place)
+
+    def init(self, fn: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
+        """Return `fn(*args, **kwargs)` compiled, its outputs created directly on `self.sharding`.
+
+        Parameters are never materialised on the host or another device first. `fn` is compiled
+        once per strategy and its arguments follow the rules of `run`.
+
+        Raises:
+          TypeError: `fn` is not callable, or an argument that is not an array is not hashable.
+          StrategyContextError: called inside `run`, or inside another strategy's scope.
+
+        Example:
+          >>> import jax, jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> params = strategy.init(lambda key: jax.random.normal(key, (3,)), jax.random.key(0))
+          >>> params.shape, params.committed
+          ((3,), True)
+        """
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.init(): fn must be callable; got {fn!r}.")
+        contexts.require_cross_replica_context(
+            self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
+        )
+        return self._init_steps(fn, args, kwargs)
+
+
+def get_strategy() -> Strategy:
+    """Return the current strategy: the one whose `scope()` is active, else a default one.
+
+    The default is a `OneDeviceStrategy` on JAX's default device, so library code can always
+    call `get_strategy().run(...)`. TensorFlow's default strategy is a special class; this one
+    is an ordinary `OneDeviceStrategy`.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+      >>> with strategy.scope():
+      ...     jaxstrategy.get_strategy() is strategy
+      True
+      >>> jaxstrategy.get_strategy().num_replicas_in_sync
+      1
+    """
+    # Only strategies become current: `scope()` enters `self`, `experimental_set_strategy` checks.
+    return cast(Strategy, contexts.current_strategy())

@@ -1,0 +1,2 @@
+"""What users hold and pass: `PerReplica`, `ReduceOp`, variables, options, the strategy and
+replica contexts, and the loss helpers. Imports only `core`."""

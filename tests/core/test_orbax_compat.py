@@ -1,0 +1,98 @@
+"""Each private orbax name in `orbax_compat` resolves on the installed orbax, to what the fallback says.
+
+An orbax upgrade that moves or changes one fails `test_resolves_through_its_first_path_to_its_fallback`
+by name. The log filter of failed writes is installed when a checkpoint is first written to,
+not when jaxstrategy is imported.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxstrategy._src.core import orbax_compat
+from jaxstrategy._src.core.jax_compat import resolve
+
+ENTRIES = {
+    "tmp_dir_suffix": (orbax_compat.TMP_DIR_SUFFIX_PATHS, orbax_compat.TMP_DIR_SUFFIX_FALLBACK),
+    "pytree_metadata_file": (
+        orbax_compat.PYTREE_METADATA_FILE_PATHS,
+        orbax_compat.PYTREE_METADATA_FILE_FALLBACK,
+    ),
+    "default_item_name": (orbax_compat.DEFAULT_ITEM_NAME_PATHS, orbax_compat.DEFAULT_ITEM_NAME_FALLBACK),
+    "read_coroutine": (orbax_compat.READ_COROUTINE_PATHS, orbax_compat.READ_COROUTINE_FALLBACK),
+}
+
+
+@pytest.mark.parametrize(("paths", "fallback"), ENTRIES.values(), ids=ENTRIES.keys())
+def test_resolves_through_its_first_path_to_its_fallback(paths, fallback):
+    found = resolve(paths)
+    version = ocp.__version__
+    assert found is not None, f"orbax {version} has none of {paths}: update orbax_compat.py"
+    assert found[0] == paths[0], f"orbax {version} moved {paths[0]}: update orbax_compat.py"
+    value = getattr(found[1], "__qualname__", found[1])
+    assert value == fallback, f"orbax {version} changed {paths[0]} to {value!r}: update orbax_compat.py"
+
+
+def test_the_names_are_what_orbax_writes(tmp_path):
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "item", {"w": jnp.ones(2)})
+    assert (tmp_path / "item" / orbax_compat.PYTREE_METADATA_FILE).is_file()
+    with ocp.CheckpointManager(tmp_path / "managed") as manager:
+        manager.save(3, args=ocp.args.StandardSave({"w": jnp.ones(2)}))
+        manager.wait_until_finished()
+    assert (tmp_path / "managed" / "3" / orbax_compat.DEFAULT_ITEM_NAME).is_dir()
+    assert orbax_compat.UNFINISHED_STEP.fullmatch(f"3{orbax_compat.TMP_DIR_SUFFIX}")
+    assert orbax_compat.UNFINISHED_STEP.fullmatch(f"12{orbax_compat.TMP_DIR_SUFFIX}-1700000000")
+    assert not orbax_compat.UNFINISHED_STEP.fullmatch("3")
+
+
+@types.coroutine
+def _suspended():
+    yield
+
+
+def test_the_reads_orbax_abandons_are_collected_without_a_word(capfd):
+    async def read():
+        try:
+            await _suspended()
+        finally:
+            raise RuntimeError("a read closed unfinished")  # As orbax's reads do, on close.
+
+    def fail_while_reading(coroutine):
+        raise ValueError("another read failed")
+
+    read.__qualname__ = orbax_compat.READ_COROUTINE
+    abandoned = read()
+    abandoned.send(None)
+    try:
+        fail_while_reading(abandoned)
+    except ValueError as error:
+        del abandoned  # Held now only by the frame in the error's traceback, as orbax's are.
+        orbax_compat.drop_abandoned_reads(error)
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_log_filter_is_installed_by_the_first_writer_not_by_import(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import jaxstrategy, jaxstrategy.checkpoint as checkpoint
+        from jaxstrategy._src.core import orbax_compat
+        def filters():
+            return [type(f).__name__ for f in orbax_compat.logger().filters]
+        print('filters:', filters())
+        checkpoint.Checkpointer({str(tmp_path)!r}).close()
+        print('filters:', filters())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    printed = [line for line in result.stdout.splitlines() if line.startswith("filters:")]
+    assert printed == ["filters: []", "filters: ['_OrbaxFailureFilter']"], result.stdout + result.stderr

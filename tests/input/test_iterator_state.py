@@ -1,0 +1,341 @@
+"""DistributedIterator.get_state / set_state, and iterators in checkpoints.
+
+A position counts what the user took, never what the input thread read ahead; restoring one makes
+the next batch the one after the last taken, by skipping a re-iterable source or through the
+get_state/set_state of a source's iterator (Grain's protocol), on every way of laying batches out.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstrategy
+from jaxstrategy import InputOptions, InputReplicationMode, checkpoint
+from jaxstrategy._src.checkpoint.iterators import IteratorStatesHandler
+from jaxstrategy._src.input import iterator_state
+
+
+def _values(batch):
+    """A batch's first leaf as a list, whatever the strategy (a PerReplica is stacked)."""
+    leaf = batch[0] if isinstance(batch, tuple) else batch
+    return np.asarray(getattr(leaf, "stacked", leaf)).reshape(-1).tolist()
+
+
+class Counted:
+    """A re-iterable source that counts the elements read from it, and can end early."""
+
+    def __init__(self, count, *, size=1):
+        self.elements = [np.full(size, i, np.int32) for i in range(count)]
+        self.reads = 0
+        self.limit = count
+
+    def __iter__(self):
+        for element in self.elements[: self.limit]:
+            self.reads += 1
+            yield element
+
+
+class Stateful:
+    """An iterator with Grain's get_state/set_state protocol (its state a dict, or bytes)."""
+
+    def __init__(self, count, *, as_bytes=False):
+        self.count, self.index, self.as_bytes = count, 0, as_bytes
+        self.reads = 0
+        self.states_set = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.index == self.count:
+            raise StopIteration
+        self.index += 1
+        self.reads += 1
+        return np.full(2, self.index - 1, np.int32)
+
+    def get_state(self):
+        return str(self.index).encode() if self.as_bytes else {"index": self.index}
+
+    def set_state(self, state):
+        self.states_set.append(state)
+        self.index = int(state) if self.as_bytes else state["index"]
+
+
+class StatefulSource:
+    """A re-iterable source whose passes are `Stateful` iterators."""
+
+    def __init__(self, count, **kwargs):
+        self.count, self.kwargs = count, kwargs
+        self.passes = []
+
+    def __iter__(self):
+        self.passes.append(Stateful(self.count, **self.kwargs))
+        return self.passes[-1]
+
+
+def test_the_position_counts_what_was_taken_not_what_was_prefetched():
+    source = Counted(10)
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(source)
+    iterator = iter(dataset)
+    assert _values(next(iterator)) == [0]
+    deadline = time.monotonic() + 10
+    while source.reads < 3 and time.monotonic() < deadline:  # The thread reads two more ahead.
+        time.sleep(0.01)
+    assert source.reads == 3
+    assert iterator.get_state() == {
+        "pass": 0,
+        "batches": 1,
+        "elements": [1],
+        "source_states": [None],
+        "end": False,
+    }
+    json.dumps(iterator.get_state())  # Plain JSON.
+    restored = iter(dataset)
+    restored.set_state(iterator.get_state())
+    assert [_values(batch) for batch in restored] == [[i] for i in range(1, 10)]
+    assert restored.get_state()["end"] and restored.get_state()["batches"] == 10
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ("split", [[4, 5, 6, 7], [8, 9, 10, 11]]),
+        ("consecutive", [[8, 9, 10, 11], [12, 13, 0, 0]]),
+        ("per-replica", [[2, 2, 2, 2], [3, 3, 3, 0]]),
+    ],
+)
+def test_every_layout_resumes_at_the_batch_after_the_last_taken(layout, expected):
+    strategy = jaxstrategy.MirroredStrategy()  # Four replicas.
+    options = InputOptions(partial_batch="pad")
+    if layout == "split":
+        dataset = strategy.experimental_distribute_dataset(
+            [np.arange(i, i + 4) for i in range(0, 12, 4)], options
+        )
+    elif layout == "consecutive":
+        dataset = strategy.distribute_datasets_from_function(lambda context: Counted(14, size=1), options)
+    else:
+        options = InputOptions(
+            partial_batch="pad", experimental_replication_mode=InputReplicationMode.PER_REPLICA
+        )
+        dataset = strategy.distribute_datasets_from_function(
+            lambda context: Counted(3 + (context.input_pipeline_id < 3)), options
+        )
+    iterator = iter(dataset)
+    taken = [next(iterator) for _ in range(1 if layout == "split" else 2)]
+    state = iterator.get_state()
+    elements = {"split": [1], "consecutive": [8], "per-replica": [2, 2, 2, 2]}[layout]
+    assert state["elements"] == elements and state["batches"] == len(taken)
+    restored = iter(dataset)
+    restored.set_state(state)
+    assert [_values(batch) for batch in restored] == expected
+    assert restored.get_state()["end"]
+
+
+def test_dropped_batches_count_as_taken(recwarn):
+    strategy = jaxstrategy.MirroredStrategy()
+    batches = [np.arange(4), np.arange(3), np.arange(8, 12)]
+    dataset = strategy.experimental_distribute_dataset(batches, InputOptions(partial_batch="drop"))
+    iterator = iter(dataset)
+    next(iterator)
+    with pytest.warns(UserWarning, match="dropped a batch of 3 examples"):
+        next(iterator)
+    assert iterator.get_state()["elements"] == [3] and iterator.get_state()["batches"] == 2
+
+
+def test_a_source_with_its_own_state_is_restored_from_it_without_reading():
+    source = StatefulSource(6)
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(source)
+    iterator = iter(dataset)
+    next(iterator), next(iterator)
+    state = iterator.get_state()
+    # The source's state after the second element, though its iterator had read further.
+    assert state["source_states"] == [{"json": {"index": 2}}] and state["elements"] == [2]
+    restored = iter(dataset)
+    restored.set_state(state)
+    assert source.passes[-1].states_set == [{"index": 2}]
+    assert [_values(batch) for batch in restored] == [[i, i] for i in range(2, 6)]
+    assert source.passes[-1].reads == 4  # Nothing was read to skip.
+
+
+def test_a_source_state_of_bytes_survives_a_checkpoint(tmp_path):
+    source = StatefulSource(5, as_bytes=True)
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(source)
+    iterator = iter(dataset)
+    next(iterator)
+    checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
+    saved = checkpoint.restore(tmp_path)["data"]
+    assert saved["source_states"] == [{"bytes": "MQ=="}]  # b"1", base64.
+    restored = iter(dataset)
+    checkpoint.restore(tmp_path, target={"w": jnp.zeros(1), "data": restored})
+    assert source.passes[-1].states_set == [b"1"]
+    assert _values(next(restored)) == [1, 1]
+
+
+def test_a_one_shot_iterator_with_its_own_state_can_be_restored():
+    shared = Stateful(5)
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(shared)
+    iterator = iter(dataset)
+    next(iterator), next(iterator)
+    state = iterator.get_state()
+    iterator.set_state(state)  # The same iterator, after the input thread is done with it.
+    assert [_values(batch) for batch in iterator] == [[2, 2], [3, 3], [4, 4]]
+
+
+def test_a_one_shot_generator_cannot_be_saved_and_says_so(tmp_path):
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(np.ones(1) for _ in range(3))
+    iterator = iter(dataset)
+    next(iterator)
+    message = (
+        r"DistributedIterator.get_state\(\): this dataset reads a one-shot iterator \(generator\), which "
+        r"cannot start a new pass, so its position could never be restored. Distribute a re-iterable "
+        r"source .* or an iterator with get_state\(\) and set_state\(\)"
+    )
+    with pytest.raises(TypeError, match=message):
+        iterator.get_state()
+    with pytest.raises(TypeError, match=message):
+        checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
+    with pytest.raises(TypeError, match=r"DistributedIterator.set_state\(\): this dataset reads a one-shot"):
+        iterator.set_state({})
+
+
+def test_a_long_skip_warns(monkeypatch):
+    monkeypatch.setattr(iterator_state, "SLOW_SKIP_S", 0.0)
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(5))
+    iterator = iter(dataset)
+    next(iterator), next(iterator)
+    restored = iter(dataset)
+    with pytest.warns(UserWarning, match=r"read and dropped 2 elements of its source\(s\) .* get_state"):
+        restored.set_state(iterator.get_state())
+    assert _values(next(restored)) == [2]
+
+
+def test_the_end_of_a_pass_and_its_number_are_kept():
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(2))
+    first = iter(dataset)
+    assert len(list(first)) == 2
+    second = iter(dataset)
+    next(second)
+    second.close()  # Closing is not the end of the pass.
+    assert second.get_state() == {**first.get_state(), "pass": 1, "batches": 1, "elements": [1], "end": False}
+    restored = iter(dataset)  # Pass 2 ...
+    restored.set_state(first.get_state())  # ... now pass 0, over.
+    assert list(restored) == [] and restored.get_state() == first.get_state()
+    assert iter(dataset).get_state()["pass"] == 1  # Passes go on from the restored one.
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        ([1], TypeError, r"expected the dict that DistributedIterator.get_state\(\) returns, with the keys"),
+        (
+            {"pass": -1, "batches": True, "elements": [1.5], "source_states": [None], "end": 1},
+            ValueError,
+            r"malformed iterator state: pass=-1 is not an int >= 0; batches=True is not an int >= 0; "
+            r"end=1 is not a bool; elements=\[1.5\] is not a list of ints >= 0\.",
+        ),
+        (
+            {"pass": 0, "batches": 1, "elements": [1, 1], "source_states": [None, None], "end": False},
+            ValueError,
+            r"the state is of a pass over 2 input pipeline\(s\), but this dataset reads 1",
+        ),
+        (
+            {"pass": 0, "batches": 9, "elements": [9], "source_states": [None], "end": False},
+            ValueError,
+            r"the dataset's source ended after 3 elements, but the state says 9 were taken",
+        ),
+        (
+            {"pass": 0, "batches": 1, "elements": [1], "source_states": [{"json": 1}], "end": False},
+            ValueError,
+            r"the state was saved from a source whose iterator has get_state\(\) and set_state\(\), but "
+            r"the iterator of the dataset's source is a generator without them",
+        ),
+    ],
+    ids=["not a dict", "malformed", "other pipelines", "source too short", "state without protocol"],
+)
+def test_a_bad_state_is_a_clear_error(state, error, message):
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(3))
+    with pytest.raises(error, match=rf"DistributedIterator.set_state\(\): {message}"):
+        iter(dataset).set_state(state)
+
+
+def test_a_state_that_is_not_json_is_an_error_at_its_step():
+    class Opaque(Stateful):
+        def get_state(self):
+            return {1j}
+
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Opaque(3))
+    with pytest.raises(
+        TypeError, match=r"get_state\(\) of the dataset's Opaque returned a set that is neither"
+    ):
+        next(iter(dataset))
+
+
+# --- in checkpoints ----------------------------------------------------------------------------
+
+
+def test_a_checkpoint_restores_an_iterator_in_place_or_gives_its_state(tmp_path):
+    strategy = jaxstrategy.OneDeviceStrategy()
+    dataset = strategy.experimental_distribute_dataset(Counted(6))
+    iterator = iter(dataset)
+    next(iterator), next(iterator), next(iterator)
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, {"params": {"w": jnp.ones(2)}, "data": [iterator]})
+        next(iterator)  # Saving took the position at once; the background write does not see this.
+        checkpointer.wait()
+        without_target = checkpointer.restore()
+        assert without_target["data"][0]["elements"] == [3]
+        fresh = iter(dataset)
+        restored = checkpointer.restore(target={"params": {"w": jnp.zeros(2)}, "data": [fresh]})
+    assert restored["data"][0] is fresh and restored["params"]["w"].tolist() == [1.0, 1.0]
+    assert [_values(batch) for batch in fresh] == [[3], [4], [5]]
+
+
+def test_a_target_and_a_checkpoint_that_disagree_on_iterators_restore_nothing(tmp_path):
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(6))
+    iterator = iter(dataset)
+    next(iterator)
+    checkpoint.save(tmp_path / "with", {"w": jnp.ones(1), "data": iterator})
+    checkpoint.save(tmp_path / "without", {"w": jnp.ones(1), "data": None})
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=r"does not match the checkpoint .*\n  data: the target holds a DistributedIterator, the checkpoint no iterator position",
+    ):
+        checkpoint.restore(tmp_path / "without", target={"w": jnp.ones(1), "data": iter(dataset)})
+    target = iter(dataset)
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match=r"\n  data: the checkpoint holds an iterator position, the target no DistributedIterator",
+    ):
+        checkpoint.restore(tmp_path / "with", target={"w": jnp.ones(1), "data": None})
+    assert target.get_state()["elements"] == [0]  # Nothing was restored.
+
+
+def test_positions_saved_by_other_processes_restore_only_when_they_agree(tmp_path):
+    handler = IteratorStatesHandler()
+    same = json.dumps({"data": {"elements": [4]}})
+    for process in range(2):
+        (tmp_path / f"process_{process}-of-2.json").write_text(same)
+    assert handler.restore(tmp_path) == {"data": {"elements": [4]}}
+    (tmp_path / "process_1-of-2.json").write_text(json.dumps({"data": {"elements": [5]}}))
+    with pytest.raises(ValueError, match=r"saved by 2 processes, each with its own, and this job has 1"):
+        handler.restore(tmp_path)
+
+
+def test_threads_sharing_an_iterator_count_each_batch_once():
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(200))
+    iterator = iter(dataset)
+    taken = []
+    threads = [
+        threading.Thread(target=lambda: taken.extend(next(iterator) for _ in range(25))) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(taken) == 100 and iterator.get_state()["elements"] == [100]

@@ -1,0 +1,143 @@
+"""The rooms of `jaxstrategy/_src` and the one way their imports flow.
+
+`core` < {`values`, `cluster`} < `steps` < `input` < `strategies` < `checkpoint`: a module may
+import from its own room and the rooms below it, never from one above, and `values` and
+`cluster` not from each other. Every import counts, wherever it stands: at the top, inside a
+function, or under `TYPE_CHECKING`. No module lives directly in `_src`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "jaxstrategy" / "_src"
+PACKAGE = "jaxstrategy._src"
+# Each room, with the rooms it may import from (besides itself).
+MAY_IMPORT = {
+    "core": set(),
+    "values": {"core"},
+    "cluster": {"core"},
+    "steps": {"core", "values", "cluster"},
+    "input": {"core", "values", "cluster", "steps"},
+    "strategies": {"core", "values", "cluster", "steps", "input"},
+    "checkpoint": {"core", "values", "cluster", "steps", "input", "strategies"},
+}
+
+
+def _room(path: Path, src: Path) -> str | None:
+    """The room of a module file, or None for a file directly in `_src`."""
+    parts = path.relative_to(src).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def _imported_modules(path: Path, src: Path) -> list[tuple[int, str]]:
+    """Every module of jaxstrategy._src that `path` imports, with its line: the absolute name of
+    each `import x.y`, each `from x import y` (y itself when it is a module), relative ones too."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join([PACKAGE, *path.relative_to(src).parent.parts])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module))
+            # `from jaxstrategy._src.values import contexts` imports a module of a room.
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name.startswith(PACKAGE + ".")]
+
+
+def _target_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in MAY_IMPORT else None
+
+
+def layering_violations(src: Path = SRC) -> list[str]:
+    """One line per module left directly in `src` and per import against the flow."""
+    problems = []
+    for path in sorted(src.rglob("*.py")):
+        room = _room(path, src)
+        shown = path.relative_to(src.parents[1])
+        if room is None:
+            if path.name != "__init__.py":
+                problems.append(f"{shown}: a module directly in _src; put it in one of {sorted(MAY_IMPORT)}")
+            continue
+        if room not in MAY_IMPORT:
+            problems.append(f"{shown}: {room!r} is not a room of the architecture")
+            continue
+        for line, module in _imported_modules(path, src):
+            target = _target_room(module)
+            if target is None:
+                continue  # jaxstrategy._src itself, or a module in no room (reported above).
+            if target != room and target not in MAY_IMPORT[room]:
+                problems.append(f"{shown}:{line}: {room} imports {module} ({target})")
+    return problems
+
+
+def test_imports_point_down_the_rooms_and_no_module_is_left_in_src():
+    assert layering_violations() == []
+
+
+def test_every_room_says_what_it_is_for_and_holds_nothing_else():
+    for room in MAY_IMPORT:
+        init = SRC / room / "__init__.py"
+        body = ast.parse(init.read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{init}: a docstring, nothing else"
+        assert isinstance(body[0].value, ast.Constant) and body[0].value.value.strip()
+
+
+@pytest.mark.parametrize(
+    ("room", "source", "expected"),
+    [
+        (
+            "values",
+            "from jaxstrategy._src.strategies.strategy import Strategy\n",
+            "values/offender.py:1: values imports jaxstrategy._src.strategies.strategy (strategies)",
+        ),
+        (
+            "values",
+            "import jaxstrategy._src.cluster.coordination\n",
+            "values/offender.py:1: values imports jaxstrategy._src.cluster.coordination (cluster)",
+        ),
+        (
+            "cluster",
+            "def f():\n    from jaxstrategy._src.values import contexts\n",
+            "cluster/offender.py:2: cluster imports jaxstrategy._src.values (values)",
+        ),
+        (
+            "core",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxstrategy._src.steps import cache\n",
+            "core/offender.py:3: core imports jaxstrategy._src.steps (steps)",
+        ),
+        (
+            "input",
+            "from ..strategies import one_device\n",
+            "input/offender.py:1: input imports jaxstrategy._src.strategies (strategies)",
+        ),
+    ],
+    ids=["upward", "sideways", "in-a-function", "type-checking", "relative"],
+)
+def test_an_import_against_the_flow_is_caught(tmp_path, room, source, expected):
+    src = tmp_path / "jaxstrategy" / "_src"
+    (src / room).mkdir(parents=True)
+    (src / room / "offender.py").write_text(source)
+    # The module and the module it names are both reported for `from room import module`.
+    assert layering_violations(src)[0] == f"jaxstrategy/_src/{expected}"
+
+
+def test_a_module_directly_in_src_is_caught(tmp_path):
+    src = tmp_path / "jaxstrategy" / "_src"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text('"""Private."""\n')
+    (src / "stray.py").write_text("")
+    assert layering_violations(src) == [
+        "jaxstrategy/_src/stray.py: a module directly in _src; put it in one of "
+        "['checkpoint', 'cluster', 'core', 'input', 'steps', 'strategies', 'values']"
+    ]
