@@ -277,13 +277,27 @@ class _NetAndAverage(nnx.Module):
 
 def test_two_donated_variables_holding_one_array_are_a_clear_error():
     strategy = OneDeviceStrategy()
-    pair = strategy.put(_NetAndAverage())
+    pair = _NetAndAverage()  # Not put: `put` would give each Variable an array of its own.
     with pytest.raises(
         ValueError,
         match=r"args\[0\]\.\w+\.(bias|kernel) is donated \(RunOptions\), but the array it holds is also held "
         r"by args\[0\]\.\w+\.(bias|kernel)\.",
     ):
         strategy.run(lambda p: None, args=(pair,), options=RunOptions(donate_argnums=0))
+
+
+def test_put_gives_two_variables_holding_one_array_an_array_each_so_they_can_be_donated():
+    strategy = OneDeviceStrategy()
+    pair = strategy.put(_NetAndAverage())
+    assert pair.net.kernel.get_raw_value() is not pair.ema.kernel.get_raw_value()
+
+    def step(pair):
+        pair.net.kernel[...] = pair.net.kernel[...] + 1.0
+
+    average = np.asarray(pair.ema.kernel[...])
+    strategy.run(step, args=(pair,), options=RunOptions(donate_argnums=0))
+    np.testing.assert_array_equal(np.asarray(pair.net.kernel[...]), average + 1.0)
+    np.testing.assert_array_equal(np.asarray(pair.ema.kernel[...]), average)
 
 
 def test_an_array_held_by_a_donated_variable_and_by_an_argument_names_the_argument():

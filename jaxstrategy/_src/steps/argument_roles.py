@@ -9,7 +9,11 @@ kept list. `StaticSpec.rebuild` puts the three back together inside the traced f
 
 The checks that only make sense for a whole call are made here too, with messages that name
 each bad argument by path: constants that cannot be hashed, options that name arguments the call
-does not pass, and an array donated while also passed elsewhere in the call.
+does not pass, and an array donated while also passed elsewhere in the call, as the same
+object or as another array over the same device buffer (two `jax.device_put`s of one array make
+two such arrays). XLA refuses a buffer donated and used in one call on one device, and on several
+it crashes the process (a segfault, measured on JAX 0.10.2), so buffers are compared whenever a
+call donates: every call on the slow path, and the call that makes a donating fast entry.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from jaxstrategy._src.core.errors import bullet_list, format_argument_path
 from jaxstrategy._src.core.tree_checks import PYTHON_SCALARS, is_array_like
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.values.options import RunOptions
+from jaxstrategy._src.values.variables import device_buffers
 
 _STATIC, _KEPT, _DONATED = 0, 1, 2
 
@@ -179,6 +184,11 @@ class ArgumentRoles:
                 if isinstance(leaf, jax.Array) and id(leaf) in donated_at:
                     if not _names(path, self.donate_argnums, self.donate_argnames):
                         raise self._donated_twice(donated_at[id(leaf)], path)
+            arrays = [(path, leaf) for path, leaf in path_leaves if isinstance(leaf, jax.Array)]
+            shared = _sharing_a_donated_buffer([leaf for _, leaf in arrays], set(map(id, donated)))
+            if shared is not None:
+                (donated_path, _), (also_path, _) = arrays[shared[0]], arrays[shared[1]]
+                raise self._donated_twice(donated_path, also_path, same_buffer=True)
         typed_static = tuple((type(leaf), leaf) for leaf in static)
         spec = StaticSpec(treedef, tuple(kinds), typed_static)
         return SplitArguments(spec, donated, kept, donated_shardings, kept_shardings)
@@ -208,14 +218,20 @@ class ArgumentRoles:
                 "only, so pass a named argument as a keyword."
             )
 
-    def _donated_twice(self, donated_path: Any, also_path: Any) -> ValueError:
+    def _donated_twice(self, donated_path: Any, also_path: Any, *, same_buffer: bool = False) -> ValueError:
         # Paths are formatted only here: the slow path sorts every leaf on every call.
         donated_at, also_at = format_argument_path(donated_path), format_argument_path(also_path)
+        what = (
+            f"the arrays passed as {donated_at} and as {also_at} share a device buffer (two "
+            "jax.device_put calls of one array can make such arrays; Strategy.put never does)"
+            if same_buffer
+            else f"the same array is passed as {donated_at} and as {also_at}"
+        )
         return ValueError(
-            f"{self.caller}: the same array is passed as {donated_at} and as {also_at}, and "
-            f"{donated_at} is donated (RunOptions.donate_argnums / donate_argnames). Donation "
-            "deletes the array's buffer, so it cannot also be used elsewhere in the call. Pass a "
-            "copy (jnp.copy(x)) in one of the places, or do not donate it."
+            f"{self.caller}: {what}, and {donated_at} is donated (RunOptions.donate_argnums / "
+            "donate_argnames). Donation deletes the array's buffer, so it cannot also be used "
+            "elsewhere in the call. Pass a copy (jnp.copy(x)) in one of the places, or do not "
+            "donate it."
         )
 
 
@@ -247,8 +263,30 @@ class _Plan:
         donated_ids = set(map(id, donated))
         if len(donated_ids) < len(donated) or not donated_ids.isdisjoint(map(id, kept)):
             return None
+        if donated and _sharing_a_donated_buffer(leaves, donated_ids) is not None:
+            return None
         donated_shardings = [shardings[i] for i in self.donated]
         return SplitArguments(self.spec, donated, kept, donated_shardings, [shardings[i] for i in self.kept])
+
+
+def _sharing_a_donated_buffer(arrays: list[Any], donated_ids: set[int]) -> tuple[int, int] | None:
+    """The positions of a donated array and of another array of `arrays` over one of its device
+    buffers, or None. Arrays that are the same object are not compared (the identity checks come
+    first, and say so). Each array's buffers are read once: 2 us for one on four devices."""
+    buffers = [device_buffers(array) for array in arrays]
+    owner: dict[tuple[int, int], int] = {}
+    for position, array in enumerate(arrays):
+        if id(array) in donated_ids:
+            for buffer in buffers[position]:
+                owner.setdefault(buffer, position)
+    if not owner:
+        return None
+    for position, array in enumerate(arrays):
+        for buffer in buffers[position]:
+            donated = owner.get(buffer)
+            if donated is not None and arrays[donated] is not array:
+                return donated, position
+    return None
 
 
 def _names(path: tuple[Any, ...], argnums: tuple[int, ...], argnames: tuple[str, ...]) -> bool:

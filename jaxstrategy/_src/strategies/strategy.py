@@ -613,7 +613,10 @@ class Strategy(abc.ABC):
         `tree` has its Variables committed in place and is returned itself.
 
         Numpy leaves bound for a CPU device are copied, because JAX may otherwise share their
-        memory and a later write to the numpy array would change the variable.
+        memory and a later write to the numpy array would change the variable. Every variable
+        has device buffers of its own: a jax array already on the strategy's devices is copied
+        there rather than shared, so donating a variable to `run` never deletes the array it was
+        put from, nor another variable put from the same array.
 
         Raises:
           TypeError: a leaf is not an array-like; every such leaf is named by its path.
@@ -630,7 +633,8 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
 
         def place(tree: PyTree) -> PyTree:
-            return place_tree(tree, self._shardings_for(tree, caller=caller), caller=caller)
+            shardings = self._shardings_for(tree, caller=caller)
+            return place_tree(tree, shardings, caller=caller, own_buffers=True)
 
         found = nnx_objects.find_objects(tree)
         return place(tree) if found is None else nnx_objects.put_objects(found, place)

@@ -122,7 +122,10 @@ class RunOptions:
     - `donate_argnums` and `donate_argnames`: the named arguments' arrays are given to the
       computation to reuse for its outputs (and deleted), which saves memory when a step replaces
       its state. An array passed to a donated argument may not be passed anywhere else in the
-      same call. A donated Flax NNX object gives up its Variables' arrays and holds the new ones.
+      same call, neither as itself nor as another array over the same device buffer (two
+      `jax.device_put`s of one array; `Strategy.put` never makes such arrays): that is a
+      `ValueError` naming both places, where XLA would refuse the call on one device and crash
+      the process on several. A donated Flax NNX object gives up its Variables' arrays and holds the new ones.
       Do not donate a batch a dataset delivered as it is (jax arrays already on the device): the
       dataset hands out the same arrays at its next pass.
     - `static_argnums` and `static_argnames`: the named arguments are compile-time constants even

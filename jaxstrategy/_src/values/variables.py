@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxstrategy._src.core.jax_compat import is_tracer
@@ -13,18 +14,26 @@ from jaxstrategy._src.core.types import PyTree
 
 
 def place_tree(
-    tree: PyTree, sharding: jax.sharding.Sharding | PyTree, *, caller: str, static_ok: bool = False
+    tree: PyTree,
+    sharding: jax.sharding.Sharding | PyTree,
+    *,
+    caller: str,
+    static_ok: bool = False,
+    own_buffers: bool = False,
 ) -> PyTree:
     """Return `tree` with every array-like leaf committed to `sharding`, in one transfer.
 
     Numpy leaves are copied first (see `private_copy`), so a later write to the numpy array
-    cannot change the variable.
+    cannot change the variable. With `own_buffers`, no placed array shares a device buffer with a
+    jax array of `tree`, nor with another placed array (see `_owning_their_buffers`): what `put`
+    promises, so that donating a variable never deletes another one.
 
     Args:
       tree: a pytree of array-likes.
       sharding: where to commit the arrays: one sharding, or a tree of them shaped like `tree`.
       caller: the call to name in messages.
       static_ok: leave non-array leaves as they are instead of raising.
+      own_buffers: copy, on its devices, each placed array that would share a buffer.
 
     Raises:
       TypeError: a leaf is not an array-like and `static_ok` is False; every such leaf is named.
@@ -46,9 +55,47 @@ def place_tree(
     if not isinstance(sharding, jax.sharding.Sharding):
         leaf_shardings = jax.tree.leaves(sharding)
         sharding = [leaf_shardings[i] for i in positions]
-    for i, placed in zip(positions, put_private(arrays, sharding), strict=True):
-        leaves[i] = placed
+    placed = put_private(arrays, sharding)
+    if own_buffers:
+        placed = _owning_their_buffers(arrays, placed)
+    for i, array in zip(positions, placed, strict=True):
+        leaves[i] = array
     return jax.tree.unflatten(treedef, leaves)
+
+
+def device_buffers(array: jax.Array) -> set[tuple[int, int]]:
+    """The device buffers behind this process's shards of `array`: (device id, address) pairs.
+
+    Two arrays share memory exactly when these sets meet. Addresses alone would not do: two
+    accelerators can hand out the same address. A deleted array or a tracer has none.
+    """
+    if is_tracer(array) or array.is_deleted():
+        return set()
+    return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in array.addressable_shards}
+
+
+def _owning_their_buffers(sources: list[Any], placed: list[Any]) -> list[Any]:
+    """`placed`, with a copy of each array that shares a device buffer with a jax array in `sources`.
+
+    `jax.device_put` returns an array that is already where it should be as a new array over the
+    same buffer, and onto several devices it keeps the shard already on one of them, even with
+    `may_alias=False` (measured on JAX 0.10.2). Two variables put from one array would then share
+    a buffer, and donating one of them in `run` deletes the other: XLA refuses that on one device
+    and crashes the process (a segfault) on several. All sharing starts from the sources' buffers,
+    since `device_put` never makes two fresh copies share one.
+    """
+    held: set[tuple[int, int]] = set()
+    for source in sources:
+        if isinstance(source, jax.Array):
+            held |= device_buffers(source)
+    if not held:
+        return placed
+    return [
+        jnp.copy(array)
+        if isinstance(array, jax.Array) and not held.isdisjoint(device_buffers(array))
+        else array
+        for array in placed
+    ]
 
 
 def private_copy(leaf: Any) -> Any:
