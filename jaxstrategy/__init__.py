@@ -21,12 +21,12 @@ from jaxstrategy._src.strategies.multi_worker import (
 )
 from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.strategies.strategy import Strategy as Strategy
+from jaxstrategy._src.strategies.strategy import experimental_set_strategy as experimental_set_strategy
+from jaxstrategy._src.strategies.strategy import get_replica_context as get_replica_context
 from jaxstrategy._src.strategies.strategy import get_strategy as get_strategy
 from jaxstrategy._src.values.contexts import InputContext as InputContext
 from jaxstrategy._src.values.contexts import ReplicaContext as ReplicaContext
 from jaxstrategy._src.values.contexts import ValueContext as ValueContext
-from jaxstrategy._src.values.contexts import experimental_set_strategy as experimental_set_strategy
-from jaxstrategy._src.values.contexts import get_replica_context as get_replica_context
 from jaxstrategy._src.values.contexts import has_strategy as has_strategy
 from jaxstrategy._src.values.contexts import in_cross_replica_context as in_cross_replica_context
 from jaxstrategy._src.values.options import InputOptions as InputOptions

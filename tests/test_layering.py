@@ -3,7 +3,9 @@
 `core` < {`values`, `cluster`} < `steps` < `input` < `strategies` < `checkpoint`: a module may
 import from its own room and the rooms below it, never from one above, and `values` and
 `cluster` not from each other. Every import counts, wherever it stands: at the top, inside a
-function, or under `TYPE_CHECKING`. No module lives directly in `_src`.
+function, or under `TYPE_CHECKING`. Nothing in `_src` imports the public faces (`jaxstrategy`,
+`jaxstrategy.checkpoint`, ..., which sit above every room) or a module of `_src` that is in no
+room. No module lives directly in `_src`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def _imported_modules(path: Path, src: Path) -> list[tuple[int, str]]:
             found.append((node.lineno, module))
             # `from jaxstrategy._src.values import contexts` imports a module of a room.
             found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
-    return [(line, name) for line, name in found if name.startswith(PACKAGE + ".")]
+    return [
+        (line, name) for line, name in found if name.split(".")[0] in ("jaxstrategy", "jaxstrategy_pytest")
+    ]
 
 
 def _target_room(module: str) -> str | None:
@@ -73,9 +77,15 @@ def layering_violations(src: Path = SRC) -> list[str]:
             problems.append(f"{shown}: {room!r} is not a room of the architecture")
             continue
         for line, module in _imported_modules(path, src):
+            parts = module.split(".")
+            if parts[:2] != ["jaxstrategy", "_src"]:
+                problems.append(f"{shown}:{line}: {room} imports {module}, a public face above every room")
+                continue
             target = _target_room(module)
             if target is None:
-                continue  # jaxstrategy._src itself, or a module in no room (reported above).
+                if len(parts) > 2:  # Not `from jaxstrategy._src import <room>` itself.
+                    problems.append(f"{shown}:{line}: {room} imports {module}, which is in no room")
+                continue
             if target != room and target not in MAY_IMPORT[room]:
                 problems.append(f"{shown}:{line}: {room} imports {module} ({target})")
     return problems
@@ -121,8 +131,32 @@ def test_every_room_says_what_it_is_for_and_holds_nothing_else():
             "from ..strategies import one_device\n",
             "input/offender.py:1: input imports jaxstrategy._src.strategies (strategies)",
         ),
+        (
+            "steps",
+            "from jaxstrategy import checkpoint\n",
+            "steps/offender.py:1: steps imports jaxstrategy, a public face above every room",
+        ),
+        (
+            "checkpoint",
+            "def f():\n    import jaxstrategy\n",
+            "checkpoint/offender.py:2: checkpoint imports jaxstrategy, a public face above every room",
+        ),
+        (
+            "core",
+            "from jaxstrategy._src import input_lib\n",
+            "core/offender.py:1: core imports jaxstrategy._src.input_lib, which is in no room",
+        ),
     ],
-    ids=["upward", "sideways", "in-a-function", "type-checking", "relative"],
+    ids=[
+        "upward",
+        "sideways",
+        "in-a-function",
+        "type-checking",
+        "relative",
+        "public-face",
+        "lazy-public",
+        "no-room",
+    ],
 )
 def test_an_import_against_the_flow_is_caught(tmp_path, room, source, expected):
     src = tmp_path / "jaxstrategy" / "_src"

@@ -52,12 +52,14 @@ def per_example_loss(params, x, y):
 
 
 @functools.cache
-def reference_training(optimizer: str, sizes: tuple[int, ...]) -> tuple[list[float], dict[str, np.ndarray]]:
+def reference_training(
+    optimizer: str, sizes: tuple[int, ...]
+) -> tuple[tuple[float, ...], dict[str, np.ndarray]]:
     """The same model trained with `OPTIMIZERS[optimizer]` on `training_batches(sizes)`, each whole
     global batch in one plain `jax.jit` step: the losses and the final parameters.
 
     Cached: it depends on neither the strategy nor the idiom under test, and every strategy's
-    tests compare against it.
+    tests compare against it. So what it returns cannot be changed: a tuple, read-only arrays.
     """
     tx, batches = OPTIMIZERS[optimizer](), training_batches(list(sizes))
 
@@ -73,7 +75,13 @@ def reference_training(optimizer: str, sizes: tuple[int, ...]) -> tuple[list[flo
         for batch in batches:
             params, opt_state, loss = step(params, opt_state, batch["x"], batch["y"])
             losses.append(float(loss))
-    return losses, jax.tree.map(np.asarray, params)
+    return tuple(losses), jax.tree.map(_read_only, params)
+
+
+def _read_only(array: jax.Array) -> np.ndarray:
+    copy = np.array(array)
+    copy.flags.writeable = False
+    return copy
 
 
 def strategy_training(strategy, tx, batches, idiom, options=None):
@@ -159,8 +167,8 @@ def flax_docs_objects():
 class NnxJitRun:
     """What Flax's loop under `nnx.jit` ended with: the losses, the parameters, the key count."""
 
-    losses: list[float]
-    params: dict
+    losses: tuple[float, ...]
+    params: dict  # Of read-only arrays: the run is cached.
     rng_count: int
 
 
@@ -169,6 +177,8 @@ def nnx_jit_training(sizes: tuple[int, ...]) -> NnxJitRun:
     """The reference: Flax's loop under `nnx.jit`, on each whole global batch of
     `training_batches(sizes)`. Cached, as `reference_training` is."""
     model, optimizer = flax_docs_objects()
-    losses = [float(_nnx_jit_train_step(model, optimizer, batch)) for batch in training_batches(list(sizes))]
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    losses = tuple(
+        float(_nnx_jit_train_step(model, optimizer, batch)) for batch in training_batches(list(sizes))
+    )
+    params = jax.tree.map(_read_only, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     return NnxJitRun(losses, params, int(model.rngs.default.count[...]))

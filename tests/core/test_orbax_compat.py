@@ -1,8 +1,8 @@
 """Each private orbax name in `orbax_compat` resolves on the installed orbax, to what the fallback says.
 
 An orbax upgrade that moves or changes one fails `test_resolves_through_its_first_path_to_its_fallback`
-by name. The log filter of failed writes is installed when a checkpoint is first written to,
-not when jaxstrategy is imported.
+by name (names are looked up among the modules `import orbax.checkpoint` loads). The log filter
+of failed writes is installed when a checkpoint is first written to, not on import.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
 from jaxstrategy._src.core import orbax_compat
-from jaxstrategy._src.core.jax_compat import resolve
 
 ENTRIES = {
     "tmp_dir_suffix": (orbax_compat.TMP_DIR_SUFFIX_PATHS, orbax_compat.TMP_DIR_SUFFIX_FALLBACK),
@@ -32,7 +32,7 @@ ENTRIES = {
 
 @pytest.mark.parametrize(("paths", "fallback"), ENTRIES.values(), ids=ENTRIES.keys())
 def test_resolves_through_its_first_path_to_its_fallback(paths, fallback):
-    found = resolve(paths)
+    found = orbax_compat.lookup(paths)
     version = ocp.__version__
     assert found is not None, f"orbax {version} has none of {paths}: update orbax_compat.py"
     assert found[0] == paths[0], f"orbax {version} moved {paths[0]}: update orbax_compat.py"
@@ -48,7 +48,10 @@ def test_the_names_are_what_orbax_writes(tmp_path):
         manager.save(3, args=ocp.args.StandardSave({"w": jnp.ones(2)}))
         manager.wait_until_finished()
     assert (tmp_path / "managed" / "3" / orbax_compat.DEFAULT_ITEM_NAME).is_dir()
-    assert orbax_compat.UNFINISHED_STEP.fullmatch(f"3{orbax_compat.TMP_DIR_SUFFIX}")
+    # Orbax says where it wrote the step before renaming it: the name of an unfinished save.
+    record = (tmp_path / "managed" / "3" / orbax_compat.DEFAULT_ITEM_NAME / "commit_success.txt").read_text()
+    written_in = Path(record.split(" to ", 1)[1].strip()).parent.name
+    assert written_in.startswith("3") and orbax_compat.UNFINISHED_STEP.fullmatch(written_in), record
     assert orbax_compat.UNFINISHED_STEP.fullmatch(f"12{orbax_compat.TMP_DIR_SUFFIX}-1700000000")
     assert not orbax_compat.UNFINISHED_STEP.fullmatch("3")
 
@@ -58,25 +61,36 @@ def _suspended():
     yield
 
 
-def test_the_reads_orbax_abandons_are_collected_without_a_word(capfd):
+def _suspended_read(name: str):
+    """A coroutine named `name`, suspended, that raises when it is closed, as orbax's reads do."""
+
     async def read():
         try:
             await _suspended()
         finally:
-            raise RuntimeError("a read closed unfinished")  # As orbax's reads do, on close.
+            raise RuntimeError("a read closed unfinished")
 
-    def fail_while_reading(coroutine):
+    read.__qualname__ = name
+    coroutine = read()
+    coroutine.send(None)
+    return coroutine
+
+
+def test_the_reads_orbax_abandons_are_collected_without_a_word_and_others_still_reported(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reported.append(unraisable.object))
+
+    def fail_while_reading(*coroutines):
         raise ValueError("another read failed")
 
-    read.__qualname__ = orbax_compat.READ_COROUTINE
-    abandoned = read()
-    abandoned.send(None)
+    abandoned, unrelated = _suspended_read(orbax_compat.READ_COROUTINE), _suspended_read("something_else")
     try:
-        fail_while_reading(abandoned)
+        fail_while_reading(abandoned, unrelated)
     except ValueError as error:
-        del abandoned  # Held now only by the frame in the error's traceback, as orbax's are.
+        del abandoned, unrelated  # Held now only by the frame in the error's traceback, as orbax's are.
         orbax_compat.drop_abandoned_reads(error)
-    assert "Exception ignored" not in capfd.readouterr().err
+    assert [getattr(thing, "__qualname__", None) for thing in reported] == ["something_else"]
+    assert sys.unraisablehook is not orbax_compat.drop_abandoned_reads  # Put back.
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Input sources read as host elements: passes, elements, cardinality (through the public API in
-test_input_lib.py; here the functions themselves)."""
+test_datasets.py; here the functions themselves)."""
 
 from __future__ import annotations
 

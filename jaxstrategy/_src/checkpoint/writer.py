@@ -16,8 +16,8 @@ ValueError such as `RESOURCE_EXHAUSTED: ... [os_error_code='28']`. Here:
 - the holder of the lock deletes the temporary directories of unfinished saves (crashed, killed
   or failed ones) before each save, since they would block a later save of the same step.
 
-The log filter is installed when the first writer is made, not when jaxstrategy is imported:
-a program that never saves a checkpoint keeps absl's logger as it was.
+The log filter is installed when the first writer is made, not when `jaxstrategy.checkpoint` is
+imported: a program that never saves a checkpoint keeps absl's logger as it was.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ resolves through its first path, and to its fallback, on the installed orbax: an
 moves or changes one fails there, by name.
 
 Orbax is imported only by the checkpoint modules, which import this one: importing jaxstrategy
-does not import orbax.
+does not import orbax. That happens lazily (`jaxstrategy.checkpoint` is loaded on first use),
+maybe while an input thread runs, so the names are read from the modules `import orbax.checkpoint`
+has loaded, without importing anything or swapping the process-wide warning filters as
+`jax_compat.resolve` does.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ import traceback
 from typing import Any
 
 from absl import logging as absl_logging
-
-from jaxstrategy._src.core.jax_compat import resolve
 
 # The suffix of the directory orbax writes step N into (`N.orbax-checkpoint-tmp`; versions before
 # 0.5 add `-<timestamp>`). In `atomicity_types` from 0.11 on.
@@ -43,8 +44,21 @@ READ_COROUTINE_PATHS = ("orbax.checkpoint._src.serialization.serialization:_read
 READ_COROUTINE_FALLBACK = "_read_array_index_and_device_put"
 
 
+def lookup(paths: tuple[str, ...]) -> tuple[str, Any] | None:
+    """The first of `paths` (`'module:attribute.attribute'`) found among loaded modules, with what
+    it names; None when none is."""
+    for path in paths:
+        module_name, _, attributes = path.partition(":")
+        found: Any = sys.modules.get(module_name)
+        for attribute in attributes.split("."):
+            found = getattr(found, attribute, None)
+        if found is not None:
+            return path, found
+    return None
+
+
 def _resolved(paths: tuple[str, ...], fallback: str) -> str:
-    found = resolve(paths)
+    found = lookup(paths)
     if found is None:
         return fallback
     value = found[1]

@@ -3,7 +3,7 @@
 Every process runs the same script. Creating the strategy works out the job from a cluster
 resolver and starts JAX's distributed runtime (`jax.distributed.initialize`) once per process;
 from then on the mesh spans every device of every process, and everything works as on
-`MirroredStrategy` (see `mirrored.MeshStrategy`), with XLA's collectives (gloo on CPU, NCCL on
+`MirroredStrategy` (see `mesh.MeshStrategy`), with XLA's collectives (gloo on CPU, NCCL on
 GPU) doing the communication. jaxstrategy opens no connection of its own.
 
 Starting the runtime can fail in ways JAX reports by ending the process from C++ (a coordinator

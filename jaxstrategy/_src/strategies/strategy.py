@@ -28,7 +28,7 @@ from jaxstrategy._src.steps import nnx_objects
 from jaxstrategy._src.steps.cache import NOT_COMPILED, NeedsSlowPath, StepCache
 from jaxstrategy._src.steps.in_flight import InFlightLimit
 from jaxstrategy._src.values import contexts
-from jaxstrategy._src.values.contexts import InputContext, ValueContext
+from jaxstrategy._src.values.contexts import InputContext, ReplicaContext, ValueContext
 from jaxstrategy._src.values.options import InputOptions, RunOptions
 from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.values.variables import place_tree
@@ -682,3 +682,49 @@ def get_strategy() -> Strategy:
     """
     # Only strategies become current: `scope()` enters `self`, `experimental_set_strategy` checks.
     return cast(Strategy, contexts.current_strategy())
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Make `strategy` current without a `with` block, as entering its `scope()` would; None undoes it.
+
+    As in TensorFlow, it replaces the strategy it set before, and it must not be called inside
+    a `scope()` (a strategy it set itself does not count). It applies to this thread (more
+    precisely, this `contextvars` context): new threads start without a strategy.
+
+    Raises:
+      RuntimeError: called inside a strategy's `scope()` or inside `run`.
+      TypeError: `strategy` is neither a strategy nor None.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
+      >>> jaxstrategy.experimental_set_strategy(strategy)
+      >>> jaxstrategy.get_strategy() is strategy, jaxstrategy.in_cross_replica_context()
+      (True, True)
+      >>> jaxstrategy.experimental_set_strategy(None)
+      >>> jaxstrategy.has_strategy()
+      False
+    """
+    contexts.set_strategy(strategy)
+
+
+def get_replica_context() -> ReplicaContext[Strategy] | None:
+    """Return the replica context: the replica's inside `run`, None in a scope outside `run`.
+
+    Outside every scope, a default context of the default strategy (replica 0 of 1) is returned,
+    as TensorFlow does.
+
+    Example:
+      >>> import jaxstrategy
+      >>> strategy = jaxstrategy.OneDeviceStrategy()
+      >>> with strategy.scope():
+      ...     print(jaxstrategy.get_replica_context())
+      None
+      >>> def step(x):
+      ...     context = jaxstrategy.get_replica_context()
+      ...     return x + context.replica_id_in_sync_group
+      >>> strategy.run(step, args=(10,)).tolist()
+      10
+    """
+    # Only strategies become current (see `get_strategy`).
+    return cast("ReplicaContext[Strategy] | None", contexts.current_replica_context())

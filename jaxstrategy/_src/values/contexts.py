@@ -26,11 +26,14 @@ from jaxstrategy._src.core.tree_checks import require_array_leaves
 from jaxstrategy._src.core.types import PyTree, StrategyLike
 from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op, axes_of_leaves, mean_dtype
 
+# A strategy class: `Strategy`, where users see it (`strategies/strategy.py`).
+_S = TypeVar("_S", bound=StrategyLike)
+
 
 @dataclasses.dataclass(frozen=True)
 class _State:
     strategy: StrategyLike | None = None
-    replica_context: ReplicaContext | None = None
+    replica_context: ReplicaContext[Any] | None = None
 
 
 OUTSIDE_EVERY_SCOPE = _State()
@@ -40,7 +43,7 @@ STATE: contextvars.ContextVar[_State] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def entered(strategy: StrategyLike, replica_context: ReplicaContext | None = None) -> Iterator[None]:
+def entered(strategy: StrategyLike, replica_context: ReplicaContext[Any] | None = None) -> Iterator[None]:
     """Make `strategy` current (and `replica_context`, when given) for the duration."""
     token = STATE.set(_State(strategy, replica_context))
     try:
@@ -82,27 +85,8 @@ _SET_STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
 )
 
 
-def experimental_set_strategy(strategy: StrategyLike | None) -> None:
-    """Make `strategy` current without a `with` block, as entering its `scope()` would; None undoes it.
-
-    As in TensorFlow, it replaces the strategy it set before, and it must not be called inside
-    a `scope()` (a strategy it set itself does not count). It applies to this thread (more
-    precisely, this `contextvars` context): new threads start without a strategy.
-
-    Raises:
-      RuntimeError: called inside a strategy's `scope()` or inside `run`.
-      TypeError: `strategy` is neither a strategy nor None.
-
-    Example:
-      >>> import jaxstrategy
-      >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
-      >>> jaxstrategy.experimental_set_strategy(strategy)
-      >>> jaxstrategy.get_strategy() is strategy, jaxstrategy.in_cross_replica_context()
-      (True, True)
-      >>> jaxstrategy.experimental_set_strategy(None)
-      >>> jaxstrategy.has_strategy()
-      False
-    """
+def set_strategy(strategy: StrategyLike | None) -> None:
+    """What `jaxstrategy.experimental_set_strategy` does (`strategies/strategy.py`)."""
     if strategy is not None and not isinstance(strategy, _registered().base):
         raise TypeError(
             f"experimental_set_strategy(): expected a jaxstrategy strategy or None; got {strategy!r}."
@@ -154,24 +138,8 @@ def in_cross_replica_context() -> bool:
     return state.strategy is not None and state.replica_context is None
 
 
-def get_replica_context() -> ReplicaContext | None:
-    """Return the replica context: the replica's inside `run`, None in a scope outside `run`.
-
-    Outside every scope, a default context of the default strategy (replica 0 of 1) is returned,
-    as TensorFlow does.
-
-    Example:
-      >>> import jaxstrategy
-      >>> strategy = jaxstrategy.OneDeviceStrategy()
-      >>> with strategy.scope():
-      ...     print(jaxstrategy.get_replica_context())
-      None
-      >>> def step(x):
-      ...     context = jaxstrategy.get_replica_context()
-      ...     return x + context.replica_id_in_sync_group
-      >>> strategy.run(step, args=(10,)).tolist()
-      10
-    """
+def current_replica_context() -> ReplicaContext[StrategyLike] | None:
+    """What `jaxstrategy.get_replica_context` returns (`strategies/strategy.py`)."""
     state = STATE.get()
     if state.replica_context is not None:
         return state.replica_context
@@ -214,7 +182,7 @@ def _default_strategy() -> StrategyLike:
     return _registered().default()
 
 
-class ReplicaContext:
+class ReplicaContext(Generic[_S]):
     """What a function running under `Strategy.run` knows about its replica, and its collectives.
 
     Get it with `jaxstrategy.get_replica_context()` inside the function. The collectives are
@@ -237,15 +205,13 @@ class ReplicaContext:
       3.0
     """
 
-    def __init__(
-        self, strategy: StrategyLike, replica_id_in_sync_group: Any, *, axis_name: str | None = None
-    ):
+    def __init__(self, strategy: _S, replica_id_in_sync_group: Any, *, axis_name: str | None = None):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
         self._axis_name = axis_name
 
     @property
-    def strategy(self) -> StrategyLike:
+    def strategy(self) -> _S:
         return self._strategy
 
     @property
@@ -439,9 +405,6 @@ def _check_count(owner: str, field: str, value: Any) -> None:
 
 def _check_index(owner: str, field: str, value: Any, count: int) -> None:
     check_int(value, f"{owner}({field}={value!r})", at_least=0, below=count)
-
-
-_S = TypeVar("_S", bound=StrategyLike)
 
 
 class StrategyScope(Generic[_S]):

@@ -145,7 +145,7 @@ def _require_replica_context(caller: str, otherwise: str) -> None:
 
 
 def _num_replicas_in_sync() -> int:
-    replica_context = contexts.get_replica_context()
+    replica_context = contexts.current_replica_context()
     return 1 if replica_context is None else replica_context.num_replicas_in_sync
 
 
