@@ -50,6 +50,7 @@ from jaxstrategy._src.checkpoint.checkpointer import Checkpointer
 from jaxstrategy._src.cluster.coordination import value_when_set
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.device_spec import spans_processes
+from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.jax_compat import coordination_client
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.strategies.strategy import Strategy, get_strategy
@@ -372,7 +373,7 @@ class PreemptionHandler:
             "this first failure is reported. Catch errors inside termination_notice (returning "
             "False, say) to handle them otherwise.",
             RuntimeWarning,
-            stacklevel=4,  # This function, _must_stop, the steps generator, the loop over it.
+            stacklevel=caller_stacklevel(),  # The loop over `steps`.
         )
 
     # --- the step boundary -----------------------------------------------------------------------
