@@ -27,7 +27,7 @@ from conformance import StrategyConformance
 
 import jaxstrategy
 from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, checkpoint
-from jaxstrategy._src.cluster import local_workers
+from jaxstrategy._src.cluster import ports
 from jaxstrategy._src.cluster.local_workers import LocalWorkers, describe_results, worker_environment
 from jaxstrategy._src.strategies import multi_worker
 from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
@@ -420,26 +420,26 @@ def test_the_survivor_of_a_killed_process_exits_with_an_error_in_bounded_time():
 
 @pytest.mark.slow
 def test_an_unreachable_coordinator_is_reported_before_the_process_ends():
-    # Task 1 of a job whose task 0 (the coordinator) never starts.
-    # (Through the module: the root conftest gives tests ports no other test process can take.)
-    addresses = [f"127.0.0.1:{port}" for port in local_workers.free_ports(2)]
-    tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}
-    program = "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy(initialization_timeout=2, heartbeat_timeout_seconds=2)"
-    started = time.monotonic()
-    completed = subprocess.run(
-        [sys.executable, "-c", program],
-        env=worker_environment(tf_config, 1, None),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert completed.returncode != 0
-    assert (
-        f"MultiWorkerMirroredStrategy() could not join process 1 of 2, coordinator {addresses[0]} within "
-        "initialization_timeout=2 s: the coordinator could not be reached"
-    ) in completed.stderr, completed.stderr[-2000:]
-    assert time.monotonic() - started < 60
+    # Task 1 of a job whose task 0 (the coordinator) never starts, at ports no other job can take.
+    with ports.reserve_ports(2) as reserved:
+        addresses = [f"127.0.0.1:{port}" for port in reserved.ports]
+        tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}
+        program = "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy(initialization_timeout=2, heartbeat_timeout_seconds=2)"
+        started = time.monotonic()
+        completed = subprocess.run(
+            [sys.executable, "-c", program],
+            env=worker_environment(tf_config, 1, None),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+        assert completed.returncode != 0
+        assert (
+            f"MultiWorkerMirroredStrategy() could not join process 1 of 2, coordinator {addresses[0]} within "
+            "initialization_timeout=2 s: the coordinator could not be reached"
+        ) in completed.stderr, completed.stderr[-2000:]
+        assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow
