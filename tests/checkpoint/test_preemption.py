@@ -9,6 +9,7 @@ is in every failure message (set JAXSTRATEGY_PREEMPTION_SEED to replay one).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -229,6 +230,93 @@ def test_handlers_are_put_back_by_the_main_thread_after_a_loop_in_another():
     assert done.returncode == -signal.SIGTERM
 
 
+# --- several handlers at once: closed in any order, the signal does what it did before ------
+
+
+class _Recorder:
+    """A signal handler of the program's own, which records the signals it gets."""
+
+    def __init__(self):
+        self.received = []
+
+    def __call__(self, signum, frame):
+        self.received.append(signum)
+
+
+@pytest.fixture
+def usr1_before():
+    """SIGUSR1 as the program had it before any PreemptionHandler: a `_Recorder`."""
+    recorder = _Recorder()
+    previous = signal.signal(signal.SIGUSR1, recorder)
+    yield recorder
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def _usr1_handlers(checkpointer, count):
+    return [
+        checkpoint.PreemptionHandler(checkpointer, signals=(signal.SIGUSR1,), exit_code=None)
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
+def test_handlers_closed_in_any_order_give_the_signal_back_to_what_had_it(checkpointer, usr1_before, order):
+    # Before, closing the first-made handler first left a closed one installed, which swallowed
+    # every later signal: the process neither saved nor did what it did before.
+    handlers = _usr1_handlers(checkpointer, 3)
+    for index in order:
+        handlers[index].close()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert usr1_before.received == [signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is usr1_before
+
+
+@pytest.mark.parametrize("closed", [0, 1, 2], ids=["first closed", "middle closed", "newest closed"])
+def test_with_one_handler_closed_the_newest_open_one_still_saves_then_all_give_it_back(
+    checkpointer, usr1_before, closed
+):
+    handlers = _usr1_handlers(checkpointer, 3)
+    handlers[closed].close()
+    os.kill(os.getpid(), signal.SIGUSR1)  # For the newest handler still open.
+    receiver = 1 if closed == 2 else 2
+    for index, handler in enumerate(handlers):
+        if index != closed:  # Each loop's end closes its handler: in creation order.
+            steps = list(handler.steps(3, lambda: {"w": jnp.ones(1)}))
+            assert (steps, handler.preempted) == (([], True) if index == receiver else ([0, 1, 2], False))
+    assert checkpointer.latest_step() == 0
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert usr1_before.received == [signal.SIGUSR1]
+
+
+TWO_HANDLERS_THEN_SIGTERM = """
+import os, signal, sys, tempfile
+import jax.numpy as jnp
+from jaxstrategy import checkpoint
+checkpointer = checkpoint.Checkpointer(tempfile.mkdtemp())
+handlers = [checkpoint.PreemptionHandler(checkpointer, exit_code=None) for _ in range(2)]
+closed, looping = (0, 1) if sys.argv[1] == "creation order" else (1, 0)
+handlers[closed].close()
+for step in handlers[looping].steps(10, lambda: {"w": jnp.zeros(1)}):
+    if step == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+print("saved", handlers[looping].preempted, checkpointer.latest_step(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # Both closed: SIGTERM ends the process, as with none.
+print("the signal was swallowed", flush=True)
+"""
+
+
+@pytest.mark.slow  # A fresh process, killed by its SIGTERM.
+@pytest.mark.parametrize("order", ["creation order", "reverse order"])
+def test_after_two_handlers_closed_in_either_order_sigterm_ends_the_process(order):
+    # Before, closing them in creation order left the first one's closed handler installed: the
+    # process lived on after SIGTERM.
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_HANDLERS_THEN_SIGTERM, order], capture_output=True, text=True, timeout=120
+    )
+    assert "saved True 2" in done.stdout, done.stdout + done.stderr  # The open one still saved.
+    assert "swallowed" not in done.stdout and done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+
+
 def test_exit_code_none_ends_the_loop_and_says_so(checkpointer, caplog):
     handler = checkpoint.PreemptionHandler(checkpointer, exit_code=None)
     with caplog.at_level(logging.WARNING, logger="jaxstrategy"):
@@ -252,6 +340,34 @@ def test_a_termination_notice_is_polled(checkpointer, monkeypatch):
                 notice.set()
             time.sleep(0.005)
     assert exit.value.code == 42 and handler.preempted and 3 < checkpointer.latest_step() < 1000
+
+
+def test_a_termination_notice_that_raises_is_polled_again_and_warned_of_once(checkpointer, monkeypatch):
+    # Before, the first exception ended the polling thread: the notice was never read again, and
+    # the loop ran to its end without a word.
+    monkeypatch.setattr(preemption, "_NOTICE_POLL_S", 0.01)
+    calls = itertools.count()
+
+    def notice():
+        call = next(calls)
+        if call < 2:
+            raise ConnectionError(f"the metadata server did not answer (call {call})")
+        return call >= 5
+
+    handler = checkpoint.PreemptionHandler(checkpointer, termination_notice=notice, exit_code=None)
+    with pytest.warns(RuntimeWarning) as warned:
+        for _ in handler.steps(1000, lambda: {"w": jnp.ones(1)}):
+            time.sleep(0.005)
+    assert handler.preempted and checkpointer.latest_step() < 1000
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert re.fullmatch(
+        r"PreemptionHandler: termination_notice raised ConnectionError: the metadata server did not "
+        r"answer \(call 0\)\. It is called again every 0\.01 s, and stops the loop once it returns True; "
+        r"only this first failure is reported\. Catch errors inside termination_notice \(returning False, "
+        r"say\) to handle them otherwise\.",
+        str(warned[0].message),
+    ), warned[0].message
+    assert warned[0].filename == __file__  # The loop's line: where the notice's handler runs.
 
 
 def test_a_step_saved_already_is_not_saved_again(checkpointer, caplog):

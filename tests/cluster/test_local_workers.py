@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
 import time
 
 import pytest
 
+from jaxstrategy._src.cluster import ports
 from jaxstrategy._src.cluster.local_workers import LocalWorkers, worker_environment
 from jaxstrategy.testing import run_local_workers
 
@@ -18,6 +22,40 @@ def test_each_worker_gets_its_task_in_one_cluster():
     results = run_local_workers(["-c", PRINT_TASK], num_workers=3, timeout=60)
     assert [result.stdout for result in results] == ["0 3\n", "1 3\n", "2 3\n"]
     assert all(result.returncode == 0 for result in results)
+
+
+PRINT_ADDRESSES = (
+    "import json, os, time; print(*json.loads(os.environ['TF_CONFIG'])['cluster']['worker']); time.sleep(0.5)"
+)
+
+
+@pytest.mark.slow  # Two jobs of two processes.
+def test_two_jobs_started_at_once_get_distinct_ports_each_free_again_once_its_job_ended():
+    # Before, the ports' locks were held until the test process exited (and outside the test
+    # suite, ports were only free when chosen: two jobs could be handed the same one).
+    start, results = threading.Barrier(2), {}
+
+    def job(name):
+        start.wait(timeout=30)
+        results[name] = run_local_workers(["-c", PRINT_ADDRESSES], timeout=60)
+
+    threads = [threading.Thread(target=job, args=(name,), daemon=True) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert sorted(results) == ["a", "b"], "a job did not end"
+    used = {
+        name: {int(address.rpartition(":")[2]) for address in result[0].stdout.split()}
+        for name, result in results.items()
+    }
+    assert len(used["a"]) == len(used["b"]) == 2 and not used["a"] & used["b"], used
+    for port in used["a"] | used["b"]:  # Each can be locked again, as another job would.
+        descriptor = os.open(ports._LOCK_DIRECTORY / str(port), os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(descriptor)
 
 
 def test_the_environment_forces_cpu_devices_and_keeps_other_xla_flags():

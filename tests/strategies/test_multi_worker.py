@@ -3,7 +3,8 @@
 The two-process tests start real jobs through `jaxstrategy.testing.run_local_workers` (two CPU
 devices per process, four replicas), each with a hard timeout: the conformance suite run by
 pytest in both processes, the scenarios of multi_worker_scenarios.py, the nnx + optax example
-against one device, a process killed mid-run, and a coordinator nobody can reach.
+against one device, a process killed mid-run, a coordinator nobody can reach, and SIGTERM
+without a PreemptionHandler.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,8 +27,9 @@ from conformance import StrategyConformance
 
 import jaxstrategy
 from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, checkpoint
-from jaxstrategy._src.cluster import local_workers
+from jaxstrategy._src.cluster import ports
 from jaxstrategy._src.cluster.local_workers import LocalWorkers, describe_results, worker_environment
+from jaxstrategy._src.strategies import multi_worker
 from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -416,26 +420,26 @@ def test_the_survivor_of_a_killed_process_exits_with_an_error_in_bounded_time():
 
 @pytest.mark.slow
 def test_an_unreachable_coordinator_is_reported_before_the_process_ends():
-    # Task 1 of a job whose task 0 (the coordinator) never starts.
-    # (Through the module: the root conftest gives tests ports no other test process can take.)
-    addresses = [f"127.0.0.1:{port}" for port in local_workers.free_ports(2)]
-    tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}
-    program = "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy(initialization_timeout=2, heartbeat_timeout_seconds=2)"
-    started = time.monotonic()
-    completed = subprocess.run(
-        [sys.executable, "-c", program],
-        env=worker_environment(tf_config, 1, None),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert completed.returncode != 0
-    assert (
-        f"MultiWorkerMirroredStrategy() could not join process 1 of 2, coordinator {addresses[0]} within "
-        "initialization_timeout=2 s: the coordinator could not be reached"
-    ) in completed.stderr, completed.stderr[-2000:]
-    assert time.monotonic() - started < 60
+    # Task 1 of a job whose task 0 (the coordinator) never starts, at ports no other job can take.
+    with ports.reserve_ports(2) as reserved:
+        addresses = [f"127.0.0.1:{port}" for port in reserved.ports]
+        tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 1}}
+        program = "import jaxstrategy; jaxstrategy.MultiWorkerMirroredStrategy(initialization_timeout=2, heartbeat_timeout_seconds=2)"
+        started = time.monotonic()
+        completed = subprocess.run(
+            [sys.executable, "-c", program],
+            env=worker_environment(tf_config, 1, None),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+        assert completed.returncode != 0
+        assert (
+            f"MultiWorkerMirroredStrategy() could not join process 1 of 2, coordinator {addresses[0]} within "
+            "initialization_timeout=2 s: the coordinator could not be reached"
+        ) in completed.stderr, completed.stderr[-2000:]
+        assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow
@@ -566,3 +570,42 @@ def test_a_program_that_shuts_jax_down_itself_ends_normally():
     assert [result.returncode for result in results] == [0, 0], describe_results(results)
     assert all("4.0" in result.stdout for result in results)
     assert time.monotonic() - started < 30  # Not the heartbeat timeout, and no 300 s shutdown wait.
+
+
+SIGTERM_PROGRAM = """
+import json, os, signal, time, jaxstrategy
+if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:  # A handler of the program's own.
+    signal.signal(signal.SIGTERM, lambda *_: (print("its own handler", flush=True), os._exit(3)))
+strategy = jaxstrategy.MultiWorkerMirroredStrategy(heartbeat_timeout_seconds=5)
+print("joined", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # No PreemptionHandler: as without jax.distributed.
+time.sleep(5)
+print("SIGTERM was swallowed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_does_what_it_did_before_the_strategy_joined_the_job():
+    # Before, JAX's preemption notifier (a C++ handler that jax.distributed.initialize installs)
+    # caught SIGTERM, logged it and let the process go on, while after a PreemptionHandler had
+    # been closed SIGTERM ended it. Now it ends it either way, or runs the program's own handler.
+    results = run_local_workers(["-c", SIGTERM_PROGRAM], devices_per_worker=1, timeout=TIMEOUT_S)
+    described = describe_results(results)
+    assert [result.returncode for result in results] == [-signal.SIGTERM, 3], described
+    assert [result.stdout for result in results] == ["joined\n", "joined\nits own handler\n"], described
+
+
+def test_a_strategy_made_outside_the_main_thread_warns_that_sigterm_stays_with_jax():
+    # Only the main thread can set a signal handler: JAX's notifier would swallow SIGTERM.
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"MultiWorkerMirroredStrategy\(\): created outside the main thread, where no signal handler "
+        r"can be set, so the SIGTERM handler that jax.distributed.initialize installed stays: .* Create the "
+        r"strategy in the main thread",
+    ) as warned:
+        thread = threading.Thread(target=multi_worker._put_back_sigterm, args=(signal.SIG_DFL,))
+        thread.start()
+        thread.join()
+    assert len(warned) == 1
+    multi_worker._put_back_sigterm(signal.SIG_DFL)  # In the main thread: put back, no warning.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

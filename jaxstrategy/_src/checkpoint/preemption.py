@@ -21,6 +21,13 @@ a step for the others (reading a loss, say) holds nobody up: the processes that 
 resume once the step is known, which lets the waiting one finish its step. A process whose loop
 ends publishes its final number, so a request that comes too late makes everyone finish
 normally instead of waiting for it.
+
+Several handlers may be alive at once (a loop per phase, say, each made before the first runs),
+and a program may install its own signal handlers between them. Each handler replaced one
+before it and remembers it, so the handlers form a chain; closing one takes it out of the chain
+(see `_unlink`), and a closed handler that still gets a signal passes it on (`_pass_on`), so in
+whatever order they close, an open handler keeps getting its signal and, once all are closed,
+the signal does what it did before any.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import signal
 import threading
 import time
 import types
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,6 +50,7 @@ from jaxstrategy._src.checkpoint.checkpointer import Checkpointer
 from jaxstrategy._src.cluster.coordination import value_when_set
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.device_spec import spans_processes
+from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.jax_compat import coordination_client
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.strategies.strategy import Strategy, get_strategy
@@ -58,6 +68,10 @@ _handler_serials = itertools.count()
 
 _SignalHandler = Callable[[int, types.FrameType | None], Any] | int | None
 
+# The handlers still in their signals' chains: made, and not yet closed in the main thread. Weak,
+# so that a handler nothing refers to any more (no signal, no other handler) is not kept alive.
+_linked: weakref.WeakSet[PreemptionHandler] = weakref.WeakSet()
+
 
 class PreemptionHandler:
     """Ends a training loop cleanly when the job is told to stop, after saving everything.
@@ -73,8 +87,9 @@ class PreemptionHandler:
 
     The same signal a second time does what it did before (SIGINT raises
     `KeyboardInterrupt`; SIGTERM ends the process). `close()` (or leaving a `with` block, or the
-    end of `steps`) puts the previous signal handlers back. Like `signal.signal`, it must be
-    created in the main thread.
+    end of `steps`) puts the previous signal handlers back. Several handlers may be open at
+    once: the newest one open gets the signal, and once all are closed, in any order, the signal
+    does what it did before any. Like `signal.signal`, it must be created in the main thread.
 
     SLURM sends SIGTERM only when it kills the job; `sbatch --signal=B:USR1@120` sends a signal
     120 s ahead, so pass `signals=(signal.SIGUSR1, signal.SIGTERM)` to save in time. A notice
@@ -89,7 +104,8 @@ class PreemptionHandler:
       exit_code: the status to end with (`SystemExit`) once saved; None ends the loop instead,
         with `preempted` True.
       termination_notice: a function, polled once a second in a thread, that returns True once
-        the job must stop.
+        the job must stop. When it raises, it is polled again a second later, and the first
+        error is reported as a `RuntimeWarning` at the loop's next step.
       timeout_s: how long a process waits for the others to agree on the step before raising
         `TimeoutError`.
 
@@ -151,6 +167,9 @@ class PreemptionHandler:
         self._step = 0
         self._preempted = False
         self._cause: str | None = None  # What told this process to stop.
+        # The first error termination_notice raised, and whether the loop has warned of it.
+        self._notice_error: Exception | None = None
+        self._notice_error_reported = False
         self._notice = threading.Event()
         self._signalled: set[int] = set()  # The signals received, each a notice the first time.
         self._closed = threading.Event()
@@ -165,6 +184,7 @@ class PreemptionHandler:
         self._namespace = f"jaxstrategy/preemption/{next(_handler_serials)}"
         self._previous: dict[int, _SignalHandler] = {}
         self._threads: list[threading.Thread] = []
+        _linked.add(self)
         for signum in dict.fromkeys(signals):
             try:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -262,16 +282,17 @@ class PreemptionHandler:
             self._finish()
 
     def close(self) -> None:
-        """Put the previous signal handlers back and stop the handler's threads. Safe to call twice."""
+        """Put the previous signal handlers back and stop the handler's threads. Safe to call twice.
+
+        With several handlers open, closing one that another replaced leaves that other one
+        getting the signal, and hands it, for when it closes, what this one had replaced.
+        """
         self._closed.set()
         if threading.current_thread() is threading.main_thread():
             # Only the main thread may set handlers: closed elsewhere, they are put back by a
-            # later close() here, or at exit.
+            # later close() here, or at exit; meanwhile `_on_signal` passes signals on.
             atexit.unregister(self.close)
-            for signum, previous in self._previous.items():
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-            self._previous.clear()
+            self._unlink()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 # Within a poll: a watcher must not be inside a call when JAX's client shuts down.
@@ -285,16 +306,39 @@ class PreemptionHandler:
 
     # --- signals and notices -------------------------------------------------------------------
 
+    def _unlink(self) -> None:
+        """Take this handler out of each of its signals' chains, once (in the main thread).
+
+        Installed, it puts back what it replaced. Replaced by a newer handler of this class, it
+        hands that one what it replaced, so that the newer one puts that back in turn. Replaced
+        by a handler of the program's own, which may call it, it stays there, passing the
+        signal on (`_on_signal`).
+        """
+        if self not in _linked:
+            return
+        _linked.discard(self)
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, _installable(previous))
+                continue
+            for newer in list(_linked):
+                if newer._previous.get(signum) == self._on_signal:
+                    newer._previous[signum] = previous
+                    break  # A handler is replaced by one handler at most.
+
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
+        previous = self._previous.get(signum)
+        if self._closed.is_set():
+            # Still installed though closed (in another thread, or a program's own handler
+            # calls it): do what the handler it replaced does.
+            _pass_on(signum, frame, previous)
+            return
         if signum in self._signalled:
-            # The same signal twice: do what it did before, such as ending the process now. (A
-            # polled notice, or SLURM's early SIGUSR1 then its SIGTERM, is not "twice".)
-            previous = self._previous.get(signum) or signal.SIG_DFL
-            signal.signal(signum, previous)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signum)
+            # The same signal twice: from now on, and now, do what it did before, such as ending
+            # the process. (A polled notice, or SLURM's early SIGUSR1 then its SIGTERM, is not
+            # "twice".)
+            signal.signal(signum, _installable(previous))
+            _pass_on(signum, frame, previous)
             return
         self._signalled.add(signum)
         self._cause = self._cause or signal.Signals(signum).name
@@ -302,15 +346,41 @@ class PreemptionHandler:
 
     def _poll_notice(self, termination_notice: Callable[[], bool]) -> None:
         while not self._closed.wait(_NOTICE_POLL_S):
-            if termination_notice():
+            try:
+                stop = termination_notice()
+            except Exception as error:
+                # A notice read over a network (a metadata server) fails now and then: one
+                # failure must not turn preemption off for the rest of the run. The loop's
+                # thread warns of it (`_warn_of_notice_error`): a warning here would not reach
+                # the program, and one turned into an error would end this thread.
+                if self._notice_error is None:
+                    self._notice_error = error
+                continue
+            if stop:
                 self._cause = self._cause or "a termination notice"
                 self._notice.set()
                 return
+
+    def _warn_of_notice_error(self) -> None:
+        """Warn, once, of the first error termination_notice raised; called at a step boundary."""
+        error = self._notice_error
+        if error is None or self._notice_error_reported:
+            return
+        self._notice_error_reported = True
+        warnings.warn(
+            f"PreemptionHandler: termination_notice raised {type(error).__name__}: {error}. It is "
+            f"called again every {_NOTICE_POLL_S:g} s, and stops the loop once it returns True; only "
+            "this first failure is reported. Catch errors inside termination_notice (returning "
+            "False, say) to handle them otherwise.",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),  # The loop over `steps`.
+        )
 
     # --- the step boundary -----------------------------------------------------------------------
 
     def _must_stop(self) -> bool:
         """Whether to stop before step `self._step`; else count it as started."""
+        self._warn_of_notice_error()
         if not self._multi_process:
             if self._notice.is_set():
                 return True
@@ -425,3 +495,26 @@ class PreemptionHandler:
             if deadline is not None and time.monotonic() > deadline:
                 return None  # The main thread reports the timeout.
         return None
+
+
+def _installable(previous: _SignalHandler) -> Callable[[int, types.FrameType | None], Any] | int:
+    """A handler `signal.signal` accepts for `previous`, as `signal.signal` returned it: None (a
+    handler set outside Python, which Python cannot put back) becomes the default."""
+    return signal.SIG_DFL if previous is None else previous
+
+
+def _pass_on(signum: int, frame: types.FrameType | None, previous: _SignalHandler) -> None:
+    """Do with the signal what `previous`, the handler a PreemptionHandler replaced, does."""
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    # The default action (or unknown, for None): take it now. For SIGTERM or SIGINT the process
+    # ends here; one whose default is to ignore it (SIGCHLD, SIGWINCH) comes back, and whatever
+    # was installed goes back.
+    current = signal.signal(signum, signal.SIG_DFL)
+    try:
+        signal.raise_signal(signum)
+    finally:
+        signal.signal(signum, _installable(current))

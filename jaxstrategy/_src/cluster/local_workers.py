@@ -1,9 +1,10 @@
 """A multi-worker job on this machine: one program started as several processes, for tests.
 
-Each process gets a `TF_CONFIG` naming all of them on 127.0.0.1 (ports free when chosen) and its
-own task index, and JAX's CPU backend with a forced number of devices, so that
-`MultiWorkerMirroredStrategy()` in the program joins them into one job on any laptop. Every wait
-is bounded: past the timeout every process is killed and the error shows what each printed.
+Each process gets a `TF_CONFIG` naming all of them on 127.0.0.1, at ports reserved for the job
+until it ends (see `ports.py`: jobs started at once never share one), and its own task index,
+and JAX's CPU backend with a forced number of devices, so that `MultiWorkerMirroredStrategy()`
+in the program joins them into one job on any laptop. Every wait is bounded: past the timeout
+every process is killed and the error shows what each printed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,24 +21,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from jaxstrategy._src.cluster.ports import reserve_ports
 from jaxstrategy._src.core.arguments import check_int
 
 # How much of each process's output a timeout error shows.
 _TAIL_CHARS = 3000
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def worker_environment(
@@ -59,7 +46,10 @@ def worker_environment(
 
 
 class LocalWorkers:
-    """The processes of one local job, started together; see `run_local_workers`."""
+    """The processes of one local job, started together; see `run_local_workers`.
+
+    Its ports stay reserved until its processes have ended (`wait`, `kill`).
+    """
 
     def __init__(
         self,
@@ -70,7 +60,8 @@ class LocalWorkers:
         env: Mapping[str, str] | None,
         cwd: str | os.PathLike[str] | None,
     ):
-        addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+        self._ports = reserve_ports(num_workers, caller="run_local_workers()")
+        addresses = [f"127.0.0.1:{port}" for port in self._ports.ports]
         self._outputs: list[tuple[IO[str], IO[str]]] = []
         self.processes: list[subprocess.Popen[str]] = []
         try:
@@ -104,7 +95,8 @@ class LocalWorkers:
             )
 
     def wait(self, timeout: float) -> list[subprocess.CompletedProcess[str]]:
-        """Wait for every process to end, once; kill them all past `timeout` seconds.
+        """Wait for every process to end, once; kill them all past `timeout` seconds. Then the
+        job's ports are free for other jobs.
 
         Raises:
           TimeoutError: some process was still running at the timeout; the message shows the
@@ -124,6 +116,7 @@ class LocalWorkers:
         except BaseException:  # Ctrl-C, say: no worker outlives the wait.
             self._abandon()
             raise
+        self._ports.release()  # Every process ended.
         return self._results()
 
     def _abandon(self) -> None:
@@ -133,7 +126,7 @@ class LocalWorkers:
             stderr.close()
 
     def kill(self) -> None:
-        """Kill every process still running (and its children), and reap it."""
+        """Kill every process still running (and its children), reap it, and free the ports."""
         for process in self.processes:
             if process.poll() is None:
                 try:
@@ -141,6 +134,7 @@ class LocalWorkers:
                 except ProcessLookupError:
                     pass
             process.wait()
+        self._ports.release()
 
     def _results(self) -> list[subprocess.CompletedProcess[str]]:
         """What each process printed; read once, after every process ended."""
@@ -178,10 +172,12 @@ def run_local_workers(
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run `python *args` as the `num_workers` processes of one job on this machine; wait for all.
 
-    Each process gets a `TF_CONFIG` listing every process at a free port of 127.0.0.1 and its
-    own task index (`'worker'`, 0 to `num_workers - 1`), and JAX's CPU backend with
+    Each process gets a `TF_CONFIG` listing every process at a port of 127.0.0.1 and its own
+    task index (`'worker'`, 0 to `num_workers - 1`), and JAX's CPU backend with
     `devices_per_worker` devices, so a `MultiWorkerMirroredStrategy()` in the program joins them
-    all: a real multi-process job for a test suite, without a cluster.
+    all: a real multi-process job for a test suite, without a cluster. The ports are reserved for
+    the job until it ends: jobs started at once, from threads or processes of this machine (a
+    test suite run with pytest-xdist, say), never get the same port.
 
     Args:
       args: the program and its arguments, as after `python`, e.g. `['train.py', '--steps', '5']`.
@@ -196,6 +192,7 @@ def run_local_workers(
 
     Raises:
       TimeoutError: the workers did not all end in time; the message shows what each printed.
+      RuntimeError: no free port is left for the job (other local jobs hold them all).
       TypeError: `args` is a string rather than a list of strings.
       ValueError: `num_workers` or `devices_per_worker` is not an int >= 1, or `timeout` is not
         positive.

@@ -10,6 +10,11 @@ Starting the runtime can fail in ways JAX reports by ending the process from C++
 that cannot be reached, a process that never starts), so the start-up is watched: when it takes
 longer than its timeout, a message saying what to check goes to stderr before JAX ends the
 process.
+
+Starting it also installs a SIGTERM handler of JAX's own (its preemption notifier), which only
+logs the signal, so that a job its scheduler told to stop kept running. The handler Python had
+is put back once the runtime runs (`_put_back_sigterm`): SIGTERM ends the process, as it does
+without `jax.distributed`, unless the program handles it (`checkpoint.PreemptionHandler`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import signal
 import socket
 import sys
 import threading
+import warnings
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import jax
@@ -35,6 +44,7 @@ from jaxstrategy._src.cluster.resolver import (
 from jaxstrategy._src.core import jax_compat
 from jaxstrategy._src.core.arguments import check_int
 from jaxstrategy._src.core.device_spec import canonical_name, spans_processes
+from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.strategies.mesh import MeshStrategy
@@ -66,6 +76,11 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
     JAX detects itself (SLURM, Open MPI, Kubernetes, Cloud TPU), else it is this process alone.
     A job JAX finds but cannot join (because JAX already started in this process) is an error,
     never a silent fall-back to one process.
+
+    Joining the job leaves SIGTERM as it was (JAX's own handler, which would only log it, is
+    taken out): it ends the process, unless the program handles it, with a
+    `checkpoint.PreemptionHandler` say. Create the strategy in the main thread for that;
+    elsewhere it warns (`RuntimeWarning`) that JAX's handler stays.
 
     Args:
       cluster_resolver: a `TFConfigClusterResolver`, a `SimpleClusterResolver`, or None (see
@@ -253,6 +268,7 @@ def _start_runtime(
         daemon=True,
     )
     watchdog.start()
+    sigterm = signal.getsignal(signal.SIGTERM)  # Before JAX replaces it.
     try:
         if resolver is None:  # JAX detects the job, as `jax.distributed.initialize()` does.
             jax.distributed.initialize(
@@ -273,6 +289,39 @@ def _start_runtime(
     finally:
         started.set()
         watchdog.join()
+    _put_back_sigterm(sigterm)
+
+
+def _put_back_sigterm(handler: Callable[[int, FrameType | None], Any] | int | None) -> None:
+    """Make `handler`, SIGTERM's before `jax.distributed.initialize`, SIGTERM's handler again.
+
+    JAX's preemption service (`jax_enable_preemption_service`, on by default) installs a C++
+    SIGTERM handler (XLA's `SigtermNotifier` in `preemption_notifier.cc`, with `std::signal`;
+    seen in jax 0.10.2) that logs `SIGTERM caught at ...` and tells JAX's preemption sync point,
+    nothing more: the process goes on, and a job its scheduler told to stop runs until it is
+    killed. Python does not see that handler (`signal.getsignal` still says `SIG_DFL`), and a
+    `PreemptionHandler`'s `close()` installs `SIG_DFL` for real, so SIGTERM ended a job after a
+    handler had been closed, not before. With Python's handler back, SIGTERM does the same
+    either way, as without `jax.distributed`. JAX's `reached_preemption_sync_point` (and orbax's
+    saving on preemption, which uses it) then never sees a SIGTERM; a program that wants them
+    calls `jax.distributed.initialize` itself before creating the strategy, which then leaves
+    the runtime and its handler as they are.
+    """
+    if threading.current_thread() is threading.main_thread():
+        if handler is not None:  # None: set outside Python, which cannot put it back.
+            signal.signal(signal.SIGTERM, handler)
+        return
+    # Read as `jax.config.jax_enable_x64` is; the option is not in jax.config's type stubs.
+    if getattr(jax.config, "jax_enable_preemption_service", True):
+        warnings.warn(
+            f"{_CALLER}: created outside the main thread, where no signal handler can be set, so "
+            "the SIGTERM handler that jax.distributed.initialize installed stays: a SIGTERM is "
+            "logged by JAX's preemption notifier and this process goes on running. Create the "
+            "strategy in the main thread, so that SIGTERM ends the process (or, with a "
+            "jaxstrategy.checkpoint.PreemptionHandler, saves first).",
+            RuntimeWarning,
+            stacklevel=caller_stacklevel(),
+        )
 
 
 def _require_free_port(coordinator_address: str) -> None:
