@@ -7,7 +7,7 @@ flag, since a signal reaches Python between two bytecodes of the main thread, wh
 One process alone stops at the first step boundary after the flag is set. The processes of a
 job must stop at the same step, and save together, though JAX's asynchronous dispatch lets each
 one's Python run a few steps ahead of the others, so they agree through JAX's coordination
-service (its key-value store, as `input/agreement.py` uses it):
+service (its key-value store, through `cluster/coordination.py`):
 
 - the process that got the signal, at its next step boundary, posts a request;
 - in every process a watcher thread waits for that request; when it comes, the watcher takes
