@@ -379,6 +379,13 @@ def test_reduce_and_gather_work_under_an_outer_jit_across_processes(scenarios):
             "MultiWorkerMirroredStrategy.experimental_local_results(): called under jax.jit"
         )
         assert "call experimental_local_results outside it" in result["local_results_error"]
+        # docs/semantics.md: JAX refuses a closed-over PerReplica (its array spans the processes);
+        # passed as an argument, above, it works. A replicated array may be closed over.
+        assert result["closure_error"].startswith(
+            "Closing over jax.Array that spans non-addressable (non process local) devices is not "
+            "allowed. Please pass such arrays as arguments to the function."
+        )
+        assert result["closing_over_replicated"] == [2.0, 2.0]
 
 
 @pytest.mark.slow

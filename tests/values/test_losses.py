@@ -147,7 +147,8 @@ def test_in_the_cross_replica_context_there_is_no_replica_batch():
     ids=["int64-wraps-to-2", "int64-wraps-negative", "uint64", "python-int"],
 )
 def test_a_global_batch_size_that_32_bits_would_change_is_refused(global_batch_size, message):
-    # With jax_enable_x64 off, np.int64(2**32 + 2) became the int32 2, and the loss 3 silently.
+    # docs/semantics.md, row "a global_batch_size past int32's range" (TensorFlow 2.21 uses it as
+    # it is). With jax_enable_x64 off, np.int64(2**32 + 2) became the int32 2, and the loss 3.
     with pytest.raises(
         OverflowError,
         match=r"compute_average_loss\(\): these values do not fit the 32-bit types.*\n  "
@@ -184,6 +185,8 @@ def _numpy_average_loss(losses, weights, global_batch_size):
     ids=["batch-70000", "batch-2**20", "sum-overflows", "weighted"],
 )
 def test_half_precision_losses_are_averaged_in_float32(dtype, loss, weight, global_batch_size):
+    # docs/semantics.md, row "float16 losses over a global batch past 65504": TensorFlow 2.21
+    # gives 0.0 for the first case and inf for the third.
     losses = np.full(4, loss, dtype)
     weights = None if weight is None else np.full(4, weight, dtype)
     average = compute_average_loss(losses, sample_weight=weights, global_batch_size=global_batch_size)
@@ -194,8 +197,9 @@ def test_half_precision_losses_are_averaged_in_float32(dtype, loss, weight, glob
 
 @pytest.mark.parametrize("jit", [False, True], ids=["run", "run-in-jit"])
 def test_a_negative_global_batch_size_computed_in_run_gives_nan(cpu_devices, jit):
-    # TensorFlow asserts at run time; a check inside a compiled program cannot raise (see the
-    # module docstring), and a negative divisor would turn the loss, and training, around.
+    # docs/semantics.md, row "a negative global_batch_size computed inside run": TensorFlow
+    # asserts at run time; a compiled program cannot raise here (see losses.py's docstring), and
+    # a negative divisor would turn the loss, and training, around.
     strategy = MirroredStrategy(cpu_devices[:2])
 
     def step(losses, examples):
