@@ -17,10 +17,11 @@ TensorFlow's run-time assertion has no counterpart in a compiled JAX program sho
 after every call. `run` may itself be inside a user's `jax.jit`, whose boundary the library does
 not own; and where it owns it, reading the error waits for every step, so the host can no longer
 queue the next one while a step runs. `bench/loss_checks.py` measured that at 2.4 to 4.7 times the
-time of a small MLP step (23 to 57 us) on CPU, and no difference for a 3.4 ms step. So the loss,
-and with it every gradient, is nan instead: one `jnp.where`, whose cost the same benchmark could
-not tell from noise (ratios 0.96 to 1.00), and a nan is seen where a loss of the wrong sign would
-quietly train the model backwards. `docs/semantics.md` lists it as a departure.
+time of a small MLP step (16 to 57 us, three runs on two shared CPU cores), and no difference for
+a 3 ms step (0.94 to 1.00). So the loss, and with it every gradient, is nan instead: one
+`jnp.where`, whose cost the same runs could not tell from noise (ratios 0.96 to 1.02), and a nan
+is seen where a loss of the wrong sign would quietly train the model backwards.
+`docs/semantics.md` lists it as a departure.
 """
 
 from __future__ import annotations
