@@ -62,6 +62,7 @@ bench: $(VENV)/.test-installed $(VENV)/.bench-installed
 	$(BIN)/python bench/mirrored.py
 	$(BIN)/python bench/multi_worker.py
 	$(BIN)/python bench/nnx.py
+	$(BIN)/python bench/loss_checks.py
 	$(BIN)/python bench/vs_keras.py
 
 clean:

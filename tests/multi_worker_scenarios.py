@@ -200,11 +200,24 @@ def under_jit(strategy: jaxstrategy.MultiWorkerMirroredStrategy) -> dict[str, An
         local_error = "no error"
     except ValueError as error:
         local_error = str(error)
+    # docs/semantics.md: a jitted function may not close over an array split over the processes.
+    try:
+        closed_over = jax.jit(
+            lambda: strategy.reduce("sum", strategy.run(lambda v: v * 2, args=(value,)), None)
+        )
+        closure_error = f"no error: {np.asarray(closed_over()).tolist()}"
+    except RuntimeError as error:
+        closure_error = str(error)
+    replicated = strategy.put(np.ones(2, np.float32))
     return {
         "sum": np.asarray(combined["sum"]).tolist(),
         "mean": np.asarray(combined["mean"]).tolist(),
         "gathered": np.asarray(combined["gathered"]).tolist(),
         "local_results_error": local_error,
+        "closure_error": closure_error,
+        "closing_over_replicated": np.asarray(
+            jax.jit(lambda: strategy.run(lambda: replicated * 2))()
+        ).tolist(),
     }
 
 

@@ -264,16 +264,79 @@ def test_a_bad_state_is_a_clear_error(state, error, message):
         iter(dataset).set_state(state)
 
 
-def test_a_state_that_is_not_json_is_an_error_at_its_step():
-    class Opaque(Stateful):
-        def get_state(self):
-            return {1j}
+class NumpyState(Stateful):
+    """Counts in a numpy integer, which JSON cannot hold."""
 
-    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Opaque(3))
+    def get_state(self):
+        return {"index": np.int64(self.index)}
+
+
+class Opaque(Stateful):
+    def get_state(self):
+        return {1j}
+
+
+def test_a_state_that_is_not_json_is_read_and_refused_only_when_saved(tmp_path):
+    # Before, every element's state was encoded as it was read, so the first next() failed.
+    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(NumpyState(3))
+    iterator = iter(dataset)
+    assert _values(next(iterator)) == [0, 0]
+    message = (
+        r"^DistributedIterator.get_state\(\): the get_state\(\) of the iterator of the dataset's source "
+        r"\(NumpyState\) returned a state that is neither bytes nor JSON, so this position cannot be "
+        r"saved: state\['index'\] is a numpy int64\. Return bytes, or dicts, lists, strings, numbers, "
+        r"booleans and None of Python's own types, from get_state\(\) \(int\(x\) for a numpy integer\)\.$"
+    )
+    with pytest.raises(TypeError, match=message):
+        iterator.get_state()
+    with pytest.raises(TypeError, match=message):
+        checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
+    assert [_values(batch) for batch in iterator] == [[1, 1], [2, 2]]
+
+
+def test_a_state_that_is_not_json_names_its_pipeline_and_its_type():
+    strategy = jaxstrategy.MirroredStrategy()  # Four replicas.
+    options = InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
+    dataset = strategy.distribute_datasets_from_function(
+        lambda context: Opaque(2) if context.input_pipeline_id == 2 else Stateful(2), options
+    )
+    iterator = iter(dataset)
+    next(iterator)
     with pytest.raises(
-        TypeError, match=r"get_state\(\) of the dataset's Opaque returned a set that is neither"
+        TypeError,
+        match=r"the get_state\(\) of the iterator of input pipeline 2 \(Opaque\) returned a state that "
+        r"is neither bytes nor JSON, so this position cannot be saved: state is a set\.",
     ):
-        next(iter(dataset))
+        iterator.get_state()
+
+
+def _circular():
+    loop = []
+    loop.append(loop)
+    return {"loop": loop}
+
+
+@pytest.mark.parametrize(
+    ("state", "problem"),
+    [
+        ({"index": np.int64(3)}, "state['index'] is a numpy int64"),
+        ({"seen": [1, 2, np.bool_(True)]}, "state['seen'][2] is a numpy bool"),
+        ({(1, 2): 3}, "state has the key (1, 2), a tuple"),
+        ({"at": object()}, "state['at'] is an object"),
+        (_circular(), "state['loop'][0] contains itself"),
+    ],
+    ids=["numpy int", "nested numpy bool", "tuple key", "object", "circular"],
+)
+def test_what_json_cannot_hold_is_named_by_its_path(state, problem):
+    assert iterator_state.encode_source_state(state, Stateful(1)) == iterator_state.UnsavableState(
+        "Stateful", problem
+    )
+
+
+def test_where_no_part_is_found_json_s_own_error_is_given(monkeypatch):
+    monkeypatch.setattr(iterator_state, "_unencodable_part", lambda value, path, seen: None)
+    unsavable = iterator_state.encode_source_state({1j}, Stateful(1))
+    assert unsavable.problem == "state is a set (Object of type set is not JSON serializable)"
 
 
 # --- in checkpoints ----------------------------------------------------------------------------

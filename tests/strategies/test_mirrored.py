@@ -862,3 +862,12 @@ def test_values_from_function_works_under_an_outer_jit(two):
         return two.gather(two.run(lambda v: v * 10, args=(value,)), axis=0)
 
     assert np.asarray(gathered()).tolist() == [10.0, 10.0, 20.0, 20.0]
+
+
+def test_in_one_process_a_jitted_function_may_close_over_a_per_replica(two):
+    # docs/semantics.md: across processes JAX refuses this (pass the value as an argument; see
+    # test_multi_worker.py); in one process every device is addressable, and it works.
+    values = _per_replica(two, [np.float32([1.0, 2.0]), np.float32([3.0, 4.0])])
+    closed_over = jax.jit(lambda: two.reduce("sum", two.run(lambda v: v * 2, args=(values,)), axis=None))
+    passed = jax.jit(lambda x: two.reduce("sum", two.run(lambda v: v * 2, args=(x,)), axis=None))
+    assert np.asarray(closed_over()).tolist() == np.asarray(passed(values)).tolist() == [8.0, 12.0]

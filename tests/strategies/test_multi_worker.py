@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -30,6 +31,7 @@ from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, chec
 from jaxstrategy._src.cluster import ports
 from jaxstrategy._src.cluster.local_workers import LocalWorkers, describe_results, worker_environment
 from jaxstrategy._src.strategies import multi_worker
+from jaxstrategy._src.strategies.multi_worker import require_same_devices_per_process
 from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -201,6 +203,44 @@ def test_a_mesh_without_this_process_s_devices_is_an_error(monkeypatch, cpu_devi
         jaxstrategy.MirroredStrategy()
 
 
+def fake_devices(counts: list[int]) -> list[types.SimpleNamespace]:
+    """What `jax.devices()` lists for processes with these device counts, process by process."""
+    devices, next_id = [], 0
+    for process, count in enumerate(counts):
+        for _ in range(count):
+            devices.append(types.SimpleNamespace(process_index=process, id=next_id))
+            next_id += 1
+    return devices
+
+
+@pytest.mark.parametrize("counts", [[1], [2, 2], [8, 8, 8]], ids=["one", "two", "three"])
+def test_processes_with_the_same_number_of_devices_are_a_job(counts):
+    require_same_devices_per_process(fake_devices(counts), "MultiWorkerMirroredStrategy()")
+
+
+@pytest.mark.parametrize(
+    ("counts", "listed"),
+    [
+        ([2, 1], "  2 devices: process 0\n  1 device: process 1\n"),
+        ([8, 7, 8, 8, 6], "  8 devices: processes 0, 2, 3\n  7 devices: process 1\n  6 devices: process 4\n"),
+    ],
+    ids=["2-1", "8-7-8-8-6"],
+)
+def test_processes_with_different_numbers_of_devices_are_an_error_naming_each(counts, listed):
+    # Before, JAX's own check of the first `put` failed with "cannot reshape array of size 3
+    # into shape (2,2)", and a distributed dataset with shapes that differed by process.
+    with pytest.raises(jaxstrategy.InvalidDeviceError) as raised:
+        require_same_devices_per_process(fake_devices(counts), "MultiWorkerMirroredStrategy()")
+    assert str(raised.value) == (
+        "MultiWorkerMirroredStrategy(): the processes of this job have different numbers of devices:\n"
+        + listed
+        + "Every process must have the same number, one replica per device: each process feeds and "
+        "reads its own replicas, and JAX's arrays over several processes need as many on each. "
+        "Start every process with the same devices (on GPUs, as many in CUDA_VISIBLE_DEVICES; on "
+        "CPUs, the same --xla_force_host_platform_device_count in XLA_FLAGS)."
+    )
+
+
 # --- two processes -------------------------------------------------------------------------
 # Every test below starts processes, so each is marked slow (`make test-fast` skips them).
 
@@ -343,6 +383,13 @@ def test_reduce_and_gather_work_under_an_outer_jit_across_processes(scenarios):
             "MultiWorkerMirroredStrategy.experimental_local_results(): called under jax.jit"
         )
         assert "call experimental_local_results outside it" in result["local_results_error"]
+        # docs/semantics.md: JAX refuses a closed-over PerReplica (its array spans the processes);
+        # passed as an argument, above, it works. A replicated array may be closed over.
+        assert result["closure_error"].startswith(
+            "Closing over jax.Array that spans non-addressable (non process local) devices is not "
+            "allowed. Please pass such arrays as arguments to the function."
+        )
+        assert result["closing_over_replicated"] == [2.0, 2.0]
 
 
 @pytest.mark.slow
@@ -403,6 +450,31 @@ for step in range(100_000):
         os.kill(os.getpid(), signal.SIGKILL)
     print(step, float(strategy.run(total, args=(1.0,))), flush=True)
 """
+
+
+# Process 0 with two devices, process 1 with one: the device count set before JAX starts.
+UNEVEN_PROGRAM = """
+import json, os
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={2 - index}"
+import jaxstrategy
+try:
+    strategy = jaxstrategy.MultiWorkerMirroredStrategy()
+    print("no error:", strategy.num_replicas_in_sync, "replicas")
+except jaxstrategy.InvalidDeviceError as error:
+    print(error)
+"""
+
+
+@pytest.mark.slow
+def test_processes_with_different_numbers_of_devices_are_told_so_on_every_process():
+    results = run_local_workers(["-c", UNEVEN_PROGRAM], devices_per_worker=2, timeout=120)
+    require_success(results)
+    for result in results:
+        assert result.stdout.startswith(
+            "MultiWorkerMirroredStrategy(): the processes of this job have different numbers of "
+            "devices:\n  2 devices: process 0\n  1 device: process 1\n"
+        ), describe_results(results)
 
 
 @pytest.mark.slow

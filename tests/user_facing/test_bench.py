@@ -3,7 +3,8 @@
 Each benchmark checks what it can check without timing: run_overhead fails on any recompile,
 checkpoint verifies every round trip, input_pipeline counts compiles while timed, mirrored
 forces two CPU devices and fails on any retrace, multi_worker starts jobs of one and of two
-processes and fails on any retrace, nnx fails on any retrace or compile while timed.
+processes and fails on any retrace, nnx fails on any retrace or compile while timed, loss_checks
+checks that its checks catch a negative batch size and fails on any compile while timed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "script",
-    ["run_overhead.py", "checkpoint.py", "input_pipeline.py", "mirrored.py", "multi_worker.py", "nnx.py"],
+    [
+        "run_overhead.py",
+        "checkpoint.py",
+        "input_pipeline.py",
+        "mirrored.py",
+        "multi_worker.py",
+        "nnx.py",
+        "loss_checks.py",
+    ],
 )
 def test_benchmark_smoke_run(script):
     _smoke(script)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 import jaxstrategy
 from jaxstrategy import InputContext, OneDeviceStrategy, ValueContext
+
+SEMANTICS = Path(__file__).resolve().parents[2] / "docs" / "semantics.md"
 
 
 def test_outside_every_scope():
@@ -53,6 +56,20 @@ def test_input_context_defaults_match_one_device():
     assert (context.num_input_pipelines, context.input_pipeline_id, context.num_replicas_in_sync) == (1, 0, 1)
     assert context.get_per_replica_batch_size(64) == 64
     assert context.get_per_replica_batch_size(63) == 63
+
+
+def test_input_context_str_names_jaxstrategy_where_tensorflow_names_tf_distribute():
+    # docs/semantics.md, row `str(InputContext())`: TensorFlow 2.21 prints
+    # 'tf.distribute.InputContext(input pipeline id 0, total: 1)'; the row quotes both.
+    assert str(InputContext()) == "jaxstrategy.InputContext(input pipeline id 0, total: 1)"
+    assert str(InputContext(2, 1, 4)) == "jaxstrategy.InputContext(input pipeline id 1, total: 2)"
+    rows = [
+        line for line in SEMANTICS.read_text().splitlines() if line.startswith("| `str(InputContext())` |")
+    ]
+    assert len(rows) == 1, f"docs/semantics.md has {len(rows)} rows for str(InputContext())"
+    _, _, tensorflow, ours, _ = rows[0].split("|")
+    assert "`'tf.distribute.InputContext(input pipeline id 0, total: 1)'`" in tensorflow
+    assert f"`'{InputContext()}'`" in ours
 
 
 def test_per_replica_batch_size_must_divide():

@@ -7,6 +7,7 @@ number of replicas).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,3 +134,85 @@ def test_in_the_cross_replica_context_there_is_no_replica_batch():
             match=r"scale_regularization_loss\(\) was called in the cross-replica context.*inside Strategy.run",
         ):
             scale_regularization_loss(1.0)
+
+
+@pytest.mark.parametrize(
+    "global_batch_size, message",
+    [
+        (np.int64(2**32 + 2), r"global_batch_size is int64 with the value 4294967298, outside int32's"),
+        (np.int64(2**31), r"global_batch_size is int64 with the value 2147483648, outside int32's"),
+        (np.uint64(2**32 + 2), r"global_batch_size is uint64 with the value 4294967298, outside uint32's"),
+        (2**31, r"global_batch_size is the Python int 2147483648, outside int32's"),
+    ],
+    ids=["int64-wraps-to-2", "int64-wraps-negative", "uint64", "python-int"],
+)
+def test_a_global_batch_size_that_32_bits_would_change_is_refused(global_batch_size, message):
+    # docs/semantics.md, row "a global_batch_size past int32's range" (TensorFlow 2.21 uses it as
+    # it is). With jax_enable_x64 off, np.int64(2**32 + 2) became the int32 2, and the loss 3.
+    with pytest.raises(
+        OverflowError,
+        match=r"compute_average_loss\(\): these values do not fit the 32-bit types.*\n  "
+        + message
+        + r".*\n.*jax_enable_x64",
+    ):
+        compute_average_loss(LOSSES, global_batch_size=global_batch_size)
+
+
+def test_with_64_bit_types_a_wide_global_batch_size_is_used_as_it_is():
+    with jax.enable_x64(True):
+        loss = compute_average_loss(LOSSES, global_batch_size=np.int64(2**32 + 2))
+    assert loss.dtype == np.float32
+    np.testing.assert_allclose(float(loss), 6 / (2**32 + 2), rtol=1e-6)
+
+
+def _numpy_average_loss(losses, weights, global_batch_size):
+    """TensorFlow's definition, computed in float32 and cast back to the losses' dtype."""
+    total = np.sum(losses.astype(np.float32) * (1 if weights is None else weights.astype(np.float32)))
+    return (total / np.float32(global_batch_size)).astype(losses.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "loss, weight, global_batch_size",
+    [
+        (1.5, None, 70_000),  # float16 holds at most 65504: the divisor was inf, the loss 0.
+        (1.5, None, 2**20),
+        (30_000.0, None, 4),  # The sum, 120000, overflowed float16 to inf.
+        # Each weighted loss, 90000, would overflow float16; with strict dtype promotion (as in
+        # this suite) any weight on a half-precision loss was a TypePromotionError.
+        (300.0, 300.0, 8),
+    ],
+    ids=["batch-70000", "batch-2**20", "sum-overflows", "weighted"],
+)
+def test_half_precision_losses_are_averaged_in_float32(dtype, loss, weight, global_batch_size):
+    # docs/semantics.md, row "float16 losses over a global batch past 65504": TensorFlow 2.21
+    # gives 0.0 for the first case and inf for the third.
+    losses = np.full(4, loss, dtype)
+    weights = None if weight is None else np.full(4, weight, dtype)
+    average = compute_average_loss(losses, sample_weight=weights, global_batch_size=global_batch_size)
+    expected = _numpy_average_loss(losses, weights, global_batch_size)
+    assert average.dtype == dtype and np.isfinite(expected) and expected != 0
+    assert float(average) == float(expected)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["run", "run-in-jit"])
+def test_a_negative_global_batch_size_computed_in_run_gives_nan(cpu_devices, jit):
+    # docs/semantics.md, row "a negative global_batch_size computed inside run": TensorFlow
+    # asserts at run time; a compiled program cannot raise here (see losses.py's docstring), and
+    # a negative divisor would turn the loss, and training, around.
+    strategy = MirroredStrategy(cpu_devices[:2])
+
+    def step(losses, examples):
+        def loss_fn(losses):
+            return compute_average_loss(losses, global_batch_size=examples - 10)
+
+        return jax.value_and_grad(loss_fn)(losses)
+
+    def call(examples):
+        return strategy.run(step, args=(LOSSES, examples))
+
+    for examples, expected, expected_grad in [(4, np.nan, np.nan), (16, 1.0, 1 / 6)]:
+        loss, grad = (jax.jit(call) if jit else call)(examples)
+        np.testing.assert_equal(float(loss), expected)
+        # nan gradients too, not zeros that would leave the parameters quietly where they were.
+        np.testing.assert_allclose(np.asarray(grad), np.full(3, expected_grad, np.float32), rtol=1e-6)

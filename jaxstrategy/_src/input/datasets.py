@@ -437,7 +437,9 @@ class DistributedIterator:
 
         Raises:
           TypeError: the dataset reads a one-shot iterator (a generator object) without
-            `get_state()`/`set_state()`, whose position could never be restored.
+            `get_state()`/`set_state()`, whose position could never be restored; a source's
+            `get_state()` returned a state that is neither bytes nor JSON (the message names the
+            source and the part JSON cannot hold).
 
         Example:
           >>> import numpy as np, jaxstrategy
@@ -453,9 +455,10 @@ class DistributedIterator:
           >>> next(restored).tolist()
           [2, 2]
         """
-        self._dataset._require_restorable("DistributedIterator.get_state()")
+        caller = "DistributedIterator.get_state()"
+        self._dataset._require_restorable(caller)
         with self._lock:
-            return self._position().as_state()
+            return self._position().as_state(caller=caller)
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Move this iterator to the position `state` (from `get_state`) describes.

@@ -10,7 +10,9 @@ A source's pass is restored in one of two ways:
 
 - its iterator has `get_state()` and `set_state(state)` (Grain's iterators, or any object with
   that protocol): the state it had after the last element taken is saved, and set on a new pass.
-  The state must be bytes or JSON-serialisable (dicts, lists, strings, numbers);
+  The state must be bytes or JSON-serialisable (dicts, lists, strings, numbers) to be saved; one
+  that is not is still read past, and saving the position is the error, naming the source and
+  what JSON cannot hold (a numpy integer, say): a pass nobody saves needs no state;
 - any other re-iterable source: a new pass is started and the consumed elements are read and
   dropped. That costs what reading them costs (none is copied or placed on a device), and a skip
   that takes longer than `SLOW_SKIP_S` warns. The source must yield the same elements on every
@@ -38,8 +40,18 @@ SLOW_SKIP_S = 10.0
 
 _KEYS = ("pass", "batches", "elements", "source_states", "end")
 
+
+@dataclasses.dataclass(frozen=True)
+class UnsavableState:
+    """A source's `get_state()` that is neither bytes nor JSON: why, kept for the error that
+    saving the position raises (iterating goes on)."""
+
+    iterator_type: str
+    problem: str
+
+
 # (elements read, encoded state after the last one or None): a source's position.
-SourceMark = tuple[int, str | None]
+SourceMark = tuple[int, str | UnsavableState | None]
 
 
 def is_stateful(iterator: Any) -> bool:
@@ -47,19 +59,45 @@ def is_stateful(iterator: Any) -> bool:
     return callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, "set_state", None))
 
 
-def encode_source_state(state: Any, source: Any) -> str:
+def encode_source_state(state: Any, source: Any) -> str | UnsavableState:
     """A source's `get_state()` as a JSON string (bytes as base64), copied, so later changes to it
-    do not reach a saved position."""
+    do not reach a saved position; or, where JSON cannot hold it, why not.
+
+    The reader thread calls this after every element, so a state that is not JSON is not an
+    error here: only saving it is (`PassPosition.as_state`)."""
     if isinstance(state, bytes | bytearray):
         return json.dumps({"bytes": base64.b64encode(state).decode("ascii")})
     try:
         return json.dumps({"json": state})
     except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"The get_state() of the dataset's {type(source).__name__} returned a "
-            f"{type(state).__name__} that is neither bytes nor JSON-serialisable ({error}). "
-            "Return bytes, or dicts, lists, strings and numbers, from get_state()."
-        ) from error
+        problem = _unencodable_part(state, "state", set()) or f"state is {_type_name(state)} ({error})"
+        return UnsavableState(type(source).__name__, problem)
+
+
+def _unencodable_part(value: Any, path: str, seen: set[int]) -> str | None:
+    """Where in `value` JSON fails, such as `"state['index'] is a numpy int64"`, or None."""
+    if value is None or isinstance(value, str | int | float):
+        return None
+    if isinstance(value, dict | list | tuple):
+        if id(value) in seen:
+            return f"{path} contains itself"
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not (key is None or isinstance(key, str | int | float)):
+                return f"{path} has the key {key!r}, {_type_name(key)}"
+            found = _unencodable_part(item, f"{path}[{key!r}]", seen)
+            if found:
+                return found
+        return None
+    return f"{path} is {_type_name(value)}"
+
+
+def _type_name(value: Any) -> str:
+    """`value`'s type with its article: "a numpy int64", "an object"."""
+    kind = type(value)
+    name = f"numpy {kind.__name__}" if kind.__module__ == "numpy" else kind.__qualname__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def decode_source_state(encoded: str) -> Any:
@@ -78,7 +116,7 @@ class PassPosition:
     pass_index: int
     batches: int
     elements: tuple[int, ...]
-    source_states: tuple[str | None, ...]
+    source_states: tuple[str | UnsavableState | None, ...]
     end: bool = False
 
     @classmethod
@@ -95,13 +133,29 @@ class PassPosition:
             source_states=tuple(state for _, state in marks),
         )
 
-    def as_state(self) -> dict[str, Any]:
-        """The position as a small JSON-serialisable dict."""
+    def as_state(self, *, caller: str) -> dict[str, Any]:
+        """The position as a small JSON-serialisable dict.
+
+        Raises:
+          TypeError: a source's `get_state()` gave a state that JSON cannot hold.
+        """
+        source_states = []
+        for index, state in enumerate(self.source_states):
+            if isinstance(state, UnsavableState):
+                where = f"input pipeline {index}" if len(self.source_states) > 1 else "the dataset's source"
+                raise TypeError(
+                    f"{caller}: the get_state() of the iterator of {where} ({state.iterator_type}) "
+                    f"returned a state that is neither bytes nor JSON, so this position cannot be "
+                    f"saved: {state.problem}. Return bytes, or dicts, lists, strings, numbers, "
+                    "booleans and None of Python's own types, from get_state() (int(x) for a numpy "
+                    "integer)."
+                )
+            source_states.append(None if state is None else json.loads(state))
         return {
             "pass": self.pass_index,
             "batches": self.batches,
             "elements": list(self.elements),
-            "source_states": [None if s is None else json.loads(s) for s in self.source_states],
+            "source_states": source_states,
             "end": self.end,
         }
 
@@ -163,7 +217,7 @@ class SourceReader:
     """One pass over one source: its elements, counting them and, where the source's iterator has
     the get_state/set_state protocol, noting its state after each (in the thread that reads them)."""
 
-    def __init__(self, iterator: Iterator[Any], *, count: int = 0, state: str | None = None):
+    def __init__(self, iterator: Iterator[Any], *, count: int = 0, state: str | UnsavableState | None = None):
         self._iterator: Any = iterator
         self._stateful = is_stateful(iterator)
         self.count = count
@@ -205,6 +259,8 @@ def resume_sources(
         iterator: Any = start()
         where = f"input pipeline {index}" if len(starts) > 1 else "the dataset's source"
         if state is not None:
+            # A position to resume comes from `PassPosition.from_state`: its states are JSON.
+            assert isinstance(state, str), state
             if not is_stateful(iterator):
                 raise ValueError(
                     f"{caller}: the state was saved from a source whose iterator has get_state() and "

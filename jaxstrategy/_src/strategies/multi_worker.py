@@ -19,6 +19,7 @@ without `jax.distributed`, unless the program handles it (`checkpoint.Preemption
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import os
@@ -27,7 +28,7 @@ import socket
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -44,7 +45,7 @@ from jaxstrategy._src.cluster.resolver import (
 from jaxstrategy._src.core import jax_compat
 from jaxstrategy._src.core.arguments import check_int
 from jaxstrategy._src.core.device_spec import canonical_name, spans_processes
-from jaxstrategy._src.core.errors import caller_stacklevel
+from jaxstrategy._src.core.errors import InvalidDeviceError, bullet_list, caller_stacklevel
 from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.strategies.mesh import MeshStrategy
@@ -100,7 +101,8 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
     Raises:
       TypeError: `cluster_resolver` is not a `ClusterResolver`; a timeout is not an int.
       ValueError: `TF_CONFIG` or the resolver's facts are malformed; this process's runtime
-        already runs another job; a timeout is below 1.
+        already runs another job; a timeout is below 1; the processes have different numbers of
+        devices (an `InvalidDeviceError`, raised on every process).
       RuntimeError: JAX already started in this process, so it can no longer join a job of
         several processes.
 
@@ -137,6 +139,7 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         )
         # Process by process, so that each process's replicas are consecutive.
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        require_same_devices_per_process(devices, _CALLER)
         super().__init__(devices)
         if spans_processes(devices):
             job_exits.watch_job(
@@ -196,6 +199,44 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 class _Timeouts:
     initialization_timeout: int
     heartbeat_timeout_seconds: int
+
+
+def require_same_devices_per_process(devices: Sequence[Any], caller: str) -> None:
+    """Raise unless every process of the job has as many of `devices` as every other.
+
+    `jax.devices()` lists every process's devices with their `process_index`, so each process
+    finds the same answer, and raises the same error, without asking the others. Without this,
+    processes with 2 and 1 devices made a strategy of 3 replicas whose first `put` failed in JAX
+    with "cannot reshape array of size 3 into shape (2,2)" (`multihost_utils.process_allgather`
+    lays the devices out as processes x devices per process), and whose distributed datasets
+    gave each process a share of another shape.
+
+    Args:
+      devices: the devices of every process, as `jax.devices()` lists them.
+      caller: the call to name in the message.
+
+    Raises:
+      InvalidDeviceError: (a `ValueError`) the processes have different numbers of devices; the
+        message lists each count and the processes that have it.
+    """
+    per_process = collections.Counter(device.process_index for device in devices)
+    if len(set(per_process.values())) <= 1:
+        return
+    by_count: dict[int, list[int]] = {}
+    for process in sorted(per_process):
+        by_count.setdefault(per_process[process], []).append(process)
+    lines = [
+        f"{count} device{'s' if count != 1 else ''}: process{'es' if len(processes) > 1 else ''} "
+        f"{', '.join(map(str, processes))}"
+        for count, processes in by_count.items()
+    ]
+    raise InvalidDeviceError(
+        f"{caller}: the processes of this job have different numbers of devices:{bullet_list(lines)}\n"
+        "Every process must have the same number, one replica per device: each process feeds and "
+        "reads its own replicas, and JAX's arrays over several processes need as many on each. "
+        "Start every process with the same devices (on GPUs, as many in CUDA_VISIBLE_DEVICES; on "
+        "CPUs, the same --xla_force_host_platform_device_count in XLA_FLAGS)."
+    )
 
 
 def join_cluster(resolver: ClusterResolver | None, timeouts: _Timeouts) -> ClusterResolver:

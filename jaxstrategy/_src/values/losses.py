@@ -5,6 +5,23 @@ global batch, a replica's loss is its examples' losses summed and divided by the
 size, and the replicas' gradients are then summed with `all_reduce('sum')`:
 `compute_average_loss` does that division, `scale_regularization_loss` divides a loss that every
 replica adds in full (weight decay, say) by the number of replicas, so that the sum counts it once.
+
+Numbers that TensorFlow lets change silently do not here. A global batch size that JAX's 32-bit
+integers would wrap (`np.int64(2**32 + 2)` became 2) is refused. Losses narrower than float32
+are summed and divided in float32 and the result cast back: float16 tops out at 65504, so in
+TensorFlow, which divides in the losses' dtype, a global batch of 70000 gives a loss of 0.
+
+A negative global batch size computed inside `run` (a traced value) cannot be refused there:
+TensorFlow's run-time assertion has no counterpart in a compiled JAX program short of
+`jax.experimental.checkify`, which must wrap the outermost `jax.jit` and have its error read
+after every call. `run` may itself be inside a user's `jax.jit`, whose boundary the library does
+not own; and where it owns it, reading the error waits for every step, so the host can no longer
+queue the next one while a step runs. `bench/loss_checks.py` measured that at 2.4 to 4.7 times the
+time of a small MLP step (16 to 57 us, three runs on two shared CPU cores), and no difference for
+a 3 ms step (0.94 to 1.00). So the loss, and with it every gradient, is nan instead: one
+`jnp.where`, whose cost the same runs could not tell from noise (ratios 0.96 to 1.02), and a nan
+is seen where a loss of the wrong sign would quietly train the model backwards.
+`docs/semantics.md` lists it as a departure.
 """
 
 from __future__ import annotations
@@ -18,6 +35,7 @@ import numpy as np
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.errors import StrategyContextError
 from jaxstrategy._src.core.jax_compat import is_tracer
+from jaxstrategy._src.core.tree_checks import require_representable
 from jaxstrategy._src.values import contexts
 
 
@@ -30,7 +48,10 @@ def compute_average_loss(
     the mean loss over the global batch, on any number of replicas. When `global_batch_size` is
     None it is this replica's batch (the first dimension of `per_example_loss`) times
     `num_replicas_in_sync`; pass it when batches can be uneven (a padded last batch), so that
-    every step divides by the number of real examples. A `global_batch_size` of 0 gives 0.
+    every step divides by the number of real examples. A `global_batch_size` of 0 gives 0; a
+    negative one computed inside `run` (a traced value, which cannot be refused there) gives nan,
+    and nan gradients. Losses narrower than float32 (float16, bfloat16) are summed and divided
+    in float32, and the result cast back, so a global batch past float16's 65504 still counts.
 
     The optional arguments are keyword-only: TensorFlow's order is `(per_example_loss,
     sample_weight, global_batch_size)`, and a positional call that meant the batch size would
@@ -43,7 +64,8 @@ def compute_average_loss(
         as the mask of a padded batch, also for losses of rank 2 and more, as in TensorFlow), or
         an array broadcastable to `per_example_loss`.
       global_batch_size: None, or the number of examples in the global batch: a non-negative
-        integer (a Python int, or an integer array of rank 0).
+        integer (a Python int, or an integer array of rank 0) that JAX's integer type holds
+        (int32 while `jax_enable_x64` is off).
 
     Returns:
       A scalar of `per_example_loss`'s dtype.
@@ -51,6 +73,8 @@ def compute_average_loss(
     Raises:
       ValueError: `per_example_loss` is a scalar; `global_batch_size` is negative or not a scalar.
       TypeError: `per_example_loss` is not floating point; `global_batch_size` is not an integer.
+      OverflowError: `global_batch_size` is outside int32's range (uint32's, for an unsigned
+        numpy integer) while `jax_enable_x64` is off: JAX would wrap it.
       StrategyContextError: (a `RuntimeError`) `global_batch_size` is None in a strategy's scope
         but outside `run`, where there is no replica batch to scale.
 
@@ -74,6 +98,11 @@ def compute_average_loss(
         )
     if not jnp.issubdtype(losses.dtype, jnp.floating):
         raise TypeError(f"{caller}: per_example_loss must be floating point; got {losses.dtype}.")
+    # Half-precision losses are summed and divided in float32, then cast back: float16's largest
+    # value is 65504, so a global batch of 70000 was an infinite divisor and the loss 0 (as in
+    # TensorFlow, which divides in the losses' dtype), and so was a sum of losses past it.
+    dtype = losses.dtype
+    losses = losses.astype(_accumulation_dtype(dtype))
     if sample_weight is not None:
         losses = _weighted(losses, jnp.asarray(sample_weight), caller)
     if global_batch_size is None:
@@ -84,7 +113,12 @@ def compute_average_loss(
     total = jnp.sum(losses)
     divisor = jnp.asarray(global_batch_size).astype(losses.dtype)
     # As TensorFlow's div_no_nan: a global batch of 0 examples has loss 0, not nan.
-    return jnp.where(divisor == 0, jnp.zeros_like(total), total / jnp.where(divisor == 0, 1, divisor))
+    safe_divisor = jnp.where(divisor == 0, 1, divisor)
+    if is_tracer(global_batch_size):
+        # Negative, it would turn training around. TensorFlow asserts at run time; a compiled
+        # program cannot raise (see the module docstring), so the loss and its gradients are nan.
+        safe_divisor = jnp.where(divisor < 0, jnp.nan, safe_divisor)
+    return jnp.where(divisor == 0, jnp.zeros_like(total), total / safe_divisor).astype(dtype)
 
 
 def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
@@ -115,7 +149,8 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
 def _weighted(losses: jax.Array, weights: jax.Array, caller: str) -> jax.Array:
     """`losses * weights` as TensorFlow lines them up: weights of one rank less than the losses
     (one per example of per-token losses, say) get a trailing axis, and a trailing axis of 1 on
-    weights of one rank more is dropped. Multiplied in at least float32, as TensorFlow does."""
+    weights of one rank more is dropped. `losses` are in at least float32 already, as TensorFlow
+    multiplies them."""
     given = weights.shape
     if weights.ndim == losses.ndim - 1:
         weights = weights[..., None]
@@ -130,8 +165,14 @@ def _weighted(losses: jax.Array, weights: jax.Array, caller: str) -> jax.Array:
             f"{losses.shape}; pass a scalar, one weight per example (shape {losses.shape[:1]}), or "
             "an array broadcastable to the losses."
         )
-    dtype = jnp.promote_types(losses.dtype, jnp.float32)
-    return (losses.astype(dtype) * weights.astype(dtype)).astype(losses.dtype)
+    return losses * weights.astype(losses.dtype)
+
+
+def _accumulation_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """float32 for floats narrower than it (float16, bfloat16, the float8 types), else `dtype`.
+
+    Not `jnp.promote_types`: with strict dtype promotion it refuses float16 with float32."""
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
 def _require_replica_context(caller: str, otherwise: str) -> None:
@@ -162,5 +203,7 @@ def _check_batch_size(global_batch_size: Any, caller: str) -> None:
         raise ValueError(
             f"{caller}: global_batch_size must be a scalar; got shape {np.shape(global_batch_size)}."
         )
+    # np.int64(2**32 + 2) would become the int32 2 while jax_enable_x64 is off.
+    require_representable(global_batch_size, caller=caller, name="global_batch_size")
     if not is_tracer(global_batch_size) and int(global_batch_size) < 0:
         raise ValueError(f"{caller}: global_batch_size must be non-negative; got {int(global_batch_size)}.")
