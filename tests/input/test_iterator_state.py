@@ -1,4 +1,4 @@
-"""DistributedIterator.get_state / set_state, and iterators in checkpoints.
+"""DistributedIterator.get_state / set_state (in checkpoints: tests/checkpoint/test_iterators.py).
 
 A position counts what the user took, never what the input thread read ahead; restoring one makes
 the next batch the one after the last taken, by skipping a re-iterable source or through the
@@ -17,7 +17,6 @@ import pytest
 
 import jaxstrategy
 from jaxstrategy import InputOptions, InputReplicationMode, checkpoint
-from jaxstrategy._src.checkpoint.iterators import IteratorStatesHandler
 from jaxstrategy._src.input import iterator_state
 
 
@@ -337,57 +336,6 @@ def test_where_no_part_is_found_json_s_own_error_is_given(monkeypatch):
     monkeypatch.setattr(iterator_state, "_unencodable_part", lambda value, path, seen: None)
     unsavable = iterator_state.encode_source_state({1j}, Stateful(1))
     assert unsavable.problem == "state is a set (Object of type set is not JSON serializable)"
-
-
-# --- in checkpoints ----------------------------------------------------------------------------
-
-
-def test_a_checkpoint_restores_an_iterator_in_place_or_gives_its_state(tmp_path):
-    strategy = jaxstrategy.OneDeviceStrategy()
-    dataset = strategy.experimental_distribute_dataset(Counted(6))
-    iterator = iter(dataset)
-    next(iterator), next(iterator), next(iterator)
-    with checkpoint.Checkpointer(tmp_path) as checkpointer:
-        checkpointer.save(3, {"params": {"w": jnp.ones(2)}, "data": [iterator]})
-        next(iterator)  # Saving took the position at once; the background write does not see this.
-        checkpointer.wait()
-        without_target = checkpointer.restore()
-        assert without_target["data"][0]["elements"] == [3]
-        fresh = iter(dataset)
-        restored = checkpointer.restore(target={"params": {"w": jnp.zeros(2)}, "data": [fresh]})
-    assert restored["data"][0] is fresh and restored["params"]["w"].tolist() == [1.0, 1.0]
-    assert [_values(batch) for batch in fresh] == [[3], [4], [5]]
-
-
-def test_a_target_and_a_checkpoint_that_disagree_on_iterators_restore_nothing(tmp_path):
-    dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(Counted(6))
-    iterator = iter(dataset)
-    next(iterator)
-    checkpoint.save(tmp_path / "with", {"w": jnp.ones(1), "data": iterator})
-    checkpoint.save(tmp_path / "without", {"w": jnp.ones(1), "data": None})
-    with pytest.raises(
-        checkpoint.CheckpointMismatchError,
-        match=r"does not match the checkpoint .*\n  data: the target holds a DistributedIterator, the checkpoint no iterator position",
-    ):
-        checkpoint.restore(tmp_path / "without", target={"w": jnp.ones(1), "data": iter(dataset)})
-    target = iter(dataset)
-    with pytest.raises(
-        checkpoint.CheckpointMismatchError,
-        match=r"\n  data: the checkpoint holds an iterator position, the target no DistributedIterator",
-    ):
-        checkpoint.restore(tmp_path / "with", target={"w": jnp.ones(1), "data": None})
-    assert target.get_state()["elements"] == [0]  # Nothing was restored.
-
-
-def test_positions_saved_by_other_processes_restore_only_when_they_agree(tmp_path):
-    handler = IteratorStatesHandler()
-    same = json.dumps({"data": {"elements": [4]}})
-    for process in range(2):
-        (tmp_path / f"process_{process}-of-2.json").write_text(same)
-    assert handler.restore(tmp_path) == {"data": {"elements": [4]}}
-    (tmp_path / "process_1-of-2.json").write_text(json.dumps({"data": {"elements": [5]}}))
-    with pytest.raises(ValueError, match=r"saved by 2 processes, each with its own, and this job has 1"):
-        handler.restore(tmp_path)
 
 
 def test_threads_sharing_an_iterator_count_each_batch_once():
