@@ -16,10 +16,10 @@ written in the background. The goals: that wait is under 10% of the synchronous 
 restore is within 1.5x of the np.load floor. The files were just written, so restores read from
 the page cache for every method alike.
 
-Checksums: jaxstrategy saves a checksum of every leaf and checks it on restore. Their cost is
-measured in pairs, one with them and one without (a private switch for the save, `verify=False`
-for the restore), alternating which goes first, 3 pairs per round: the goal is at most 10% on
-save and on restore (the median of the pairs' ratios).
+Checksums: jaxstrategy saves a CRC32C of every array shard and JSON item, and checks them on
+restore. Their cost is measured in pairs, one with them and one without (a private switch for the
+save, `verify=False` for the restore), alternating which goes first, 3 pairs per round: the goals
+are at most 10% on save and 15% on restore (the median of the pairs' ratios).
 
 Preemption (`checkpoint.PreemptionHandler`): a child process trains on the same 100 MiB state
 with a `DistributedIterator` over a list of batches, and gets SIGTERM mid-loop; the time from the
@@ -63,7 +63,7 @@ QUICK_MIB = 8  # The smoke test's tree: every path is taken, at a twelfth of the
 NUM_LEAVES = 21
 GOAL_BLOCKING_FRACTION = 0.10
 GOAL_RESTORE_RATIO = 1.5
-GOAL_CHECKSUM_RATIO = 1.10
+GOAL_CHECKSUM_RATIO = {"save": 1.10, "restore": 1.15}
 CHECKSUM_PAIRS_PER_ROUND = 3
 
 
@@ -179,7 +179,7 @@ def report_checksums(ratios: dict[str, list[float]]) -> None:
     print(f"checksums, with / without, {len(ratios['save'])} pairs: median (quartiles)")
     for what, values in ratios.items():
         low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-        goal = "" if what == "Checkpointer.save blocks" else f"; goal <= {GOAL_CHECKSUM_RATIO:.2f}"
+        goal = f"; goal <= {GOAL_CHECKSUM_RATIO[what]:.2f}" if what in GOAL_CHECKSUM_RATIO else ""
         print(f"  {what}: {statistics.median(values):.3f} ({low:.2f}-{high:.2f}{goal})")
 
 

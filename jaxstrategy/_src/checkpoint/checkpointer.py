@@ -20,9 +20,9 @@ escape keys, which would rename the leaves of existing checkpoints.
 A directory written by orbax alone (`ocp.StandardCheckpointer`, or an `ocp.CheckpointManager`
 saving one `default` item) is restored the same way.
 
-Nothing silent: a step also holds `checksums`, one checksum of each leaf's bytes, checked on
-restore (`checksums.py`); a save holds the directory's lock until it is on disk, so a second,
-independent writer is refused rather than racing it (`lock.py`); a write that fails
+Nothing silent: a step also holds `checksums`, a CRC32C of every array shard and every JSON item
+it holds, checked on restore (`checksums.py`); a save holds the directory's lock until it is on
+disk, so a second, independent writer is refused rather than racing it (`lock.py`); a write that fails
 for want of space or permission is one OSError naming the directory and the cause, without
 orbax's tracebacks in the log (`writer.py`).
 """
@@ -59,6 +59,8 @@ from jaxstrategy._src.checkpoint.restore import (
     plain_orbax_items,
     restore_item,
     restore_step,
+    step_checksums,
+    step_metadata,
 )
 from jaxstrategy._src.checkpoint.writer import DirectoryWriter
 from jaxstrategy._src.core.arguments import check_int
@@ -200,10 +202,19 @@ class Checkpointer:
             items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonSave(zero_size_shapes)
         if iterator_positions is not None:
             items[ITERATORS_ITEM] = iterator_positions
+        record = None
         if checksums.write_checksums:
-            items[CHECKSUMS_ITEM] = checksums.save_args(state)
+            orbax_json: dict[str, Any] = {PRNG_KEYS_ITEM: prng_impls}
+            if zero_size_shapes:
+                orbax_json[ZERO_SIZE_SHAPES_ITEM] = zero_size_shapes
+            own_files = {} if iterator_positions is None else iterators.own_file(iterator_positions)
+            items[CHECKSUMS_ITEM] = checksums.save_args(state, orbax_json=orbax_json, own_files=own_files)
+            record = checksums.step_record()  # In the step's metadata: `checksums.py` says why.
         with self._writer.writing(self._write_failure(step)):
-            return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+            saved = self._manager.save(
+                step, args=ocp.args.Composite(**items), force=force, custom_metadata=record
+            )
+            return bool(saved)
 
     def _start_writing(self, caller: str) -> None:
         """Finish the save in flight, then lock the directory for the next one.
@@ -300,11 +311,13 @@ class Checkpointer:
         While `jax_enable_x64` is off, 64-bit leaves come back 32-bit, as JAX holds them: integers
         only when every value fits, floats with a warning (UserWarning) naming them.
 
-        Every leaf's bytes are checked against the checksum saved with it (a CRC-32 of the sums
-        of its 4 KiB blocks), which reads them once more: about 10 ms per 100 MiB on CPU. Steps
-        saved before jaxstrategy wrote checksums, checkpoints written by orbax alone, and leaves
-        saved sharded over several processes have none, and restore unchecked. TensorFlow checks
-        a CRC32C of each tensor, always.
+        Every byte read is checked against the checksums saved with the step: a CRC32C of each
+        array shard as saved (checked from the restored arrays whatever their sharding, which
+        reads them once more: about 10 ms per 100 MiB on CPU) and of each JSON item (PRNG key
+        implementations, zero-size shapes, iterator positions). A step saved with checksums that
+        lacks some is corrupt. Steps saved before jaxstrategy wrote checksums, and checkpoints
+        written by orbax alone, have none, and restore unchecked; those of jaxstrategy 0.1 have
+        an older kind, still checked. TensorFlow checks a CRC32C of each tensor, always.
 
         Args:
           step: the step to restore; None for the newest.
@@ -317,8 +330,9 @@ class Checkpointer:
           CheckpointNotFoundError: (a `FileNotFoundError`) no such step, or no steps at all.
           CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
           CorruptCheckpointError: (a `ValueError`) the step cannot be read, its directory holds
-            no complete checkpoint, or a leaf's bytes do not match its saved checksum (the
-            message names every such leaf).
+            no complete checkpoint, a leaf's bytes or a JSON item do not match their saved
+            checksums (the message names every such leaf and part of one, or the item), or its
+            checksums are missing or incomplete.
           OverflowError: an int64 or uint64 leaf holds values beyond 32 bits while
             `jax_enable_x64` is off.
         """
@@ -326,14 +340,19 @@ class Checkpointer:
         plain = plain_orbax_items(self._directory)
         if plain is None:
             step = self._complete_step(step)
+            where = f"step {step} in {self._directory}"
+            metadata = step_metadata(self._manager, step, where)
+            # Read and checked to be whole before any other item is read.
+            saved = step_checksums(metadata, self._directory / str(step), where) if verify else None
             # DistributedIterators in the target are set to their saved positions.
             read = iterators.restoring_positions(
-                functools.partial(restore_step, self._manager, self._directory, step, verify=verify),
+                functools.partial(restore_step, self._manager, metadata, step, where, saved_checksums=saved),
                 self._manager,
                 step,
-                f"step {step} in {self._directory}",
+                where,
                 mismatch=CheckpointMismatchError,
                 corrupt=CorruptCheckpointError,
+                saved_checksums=None if saved is None else saved.files_in(ITERATORS_ITEM),
             )
         else:
             read = functools.partial(restore_item, plain_orbax_item(plain, step, self._directory))
@@ -447,17 +466,18 @@ def restore(
     """Restore a checkpoint from `directory` onto `strategy` (the current strategy when None).
 
     See `Checkpointer.restore`; this is the same for one call, without creating `directory`.
-    Each leaf is checked against the checksum saved with it (`verify=False` skips that);
-    checkpoints saved before jaxstrategy wrote checksums, and those written by orbax alone, have
-    none and restore unchecked.
+    Every array shard and JSON item is checked against the CRC32C saved with it (`verify=False`
+    skips that); checkpoints saved before jaxstrategy wrote checksums, and those written by orbax
+    alone, have none and restore unchecked.
 
     Raises:
       ValueError: `directory` is empty.
       CheckpointNotFoundError: (a `FileNotFoundError`) `directory` does not exist, holds no
         checkpoint, or lacks `step`.
       CheckpointMismatchError: (a `ValueError`) `target` differs from the checkpoint.
-      CorruptCheckpointError: (a `ValueError`) the checkpoint cannot be read, or a leaf's bytes
-        do not match its saved checksum.
+      CorruptCheckpointError: (a `ValueError`) the checkpoint cannot be read, a leaf's bytes or
+        a JSON item do not match their saved checksums, or its checksums are missing or
+        incomplete.
       OverflowError: a 64-bit integer leaf does not fit 32 bits while `jax_enable_x64` is off.
 
     Example:

@@ -7,9 +7,14 @@ step names, without zero padding). Each step holds these items:
 - `prng_keys`: a JSON map from the paths of typed PRNG key leaves to their implementation;
 - `zero_size_shapes`: a JSON map from the paths of arrays with no elements to their true shape,
   written only when there are some (orbax cannot store such an array);
-- `checksums`: a checksum of each leaf's bytes (`checksums.py`), absent from steps saved before
-  jaxstrategy wrote them;
-- `iterators`: each process's input position (`iterators.py`), only when the tree held iterators.
+- `checksums`: one file per process (`process_<i>-of-<n>.json`), the CRC32C of each array shard
+  that process wrote and of each JSON item (`checksums.py`); absent from steps saved before
+  jaxstrategy wrote them, and a single `checksums.json` of whole leaves in steps of 0.1;
+- `iterators`: each process's input position (`iterators.py`), one file per process named the
+  same way, only when the tree held iterators.
+
+A step saved with checksums says so in orbax's own step metadata (`_CHECKPOINT_METADATA`), in
+its `custom_metadata`, under `jaxstrategy_checksums` (`checksums.py` says why there).
 
 Only a step directory holding `state` and `prng_keys` counts as a step. The handlers of the two
 jaxstrategy items name themselves in each step's orbax metadata by the fixed strings below, not
@@ -50,6 +55,14 @@ FORMER_TYPESTRS = {
 
 # The names orbax's standard step format gives steps: 0, 1, 2, ... without zero padding.
 STEP_NAME = re.compile(r"0|[1-9][0-9]*")
+# How items that hold one file per process (`iterators`, `checksums`) name them, as Grain's own
+# orbax handler names its files.
+PROCESS_FILE = re.compile(r"process_(0|[1-9][0-9]*)-of-([1-9][0-9]*)\.json")
+
+
+def process_file(process: int, count: int) -> str:
+    """The name of the file of process `process` of `count` in a per-process item."""
+    return f"process_{process}-of-{count}.json"
 
 
 class CheckpointNotFoundError(JaxStrategyError, FileNotFoundError):

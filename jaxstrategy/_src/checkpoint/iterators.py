@@ -5,7 +5,8 @@ each `DistributedIterator`'s `get_state()` in one more item of the step, `iterat
 file per process (`process_<i>-of-<n>.json`, as Grain's own orbax handler writes), mapping the
 iterator's path in the tree to its state, since in a job of several processes each one reads its
 own input and has its own position. Orbax writes the item inside the step's temporary directory,
-so it is committed with the arrays or not at all.
+so it is committed with the arrays or not at all. Each process's `checksums` file holds the
+CRC32C of its file's exact bytes (`checksums.py`), which restoring checks before it parses them.
 
 Restoring with a target that holds iterators where the checkpoint has positions sets each
 iterator to its position (`set_state`), in place, and leaves it in the restored tree; without a
@@ -25,21 +26,21 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import stored_leaves
+from jaxstrategy._src.checkpoint import checksums, stored_leaves
 from jaxstrategy._src.checkpoint.format import (
     ITERATOR_STATES_HANDLER_TYPESTR,
     ITERATORS_ITEM,
+    PROCESS_FILE,
     answer_to_former_names,
+    process_file,
 )
 from jaxstrategy._src.core.errors import bullet_list
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.input.datasets import DistributedIterator
 
-_FILE_PREFIX = "process_"
 
-
-def _file_name(process: int, count: int) -> str:
-    return f"{_FILE_PREFIX}{process}-of-{count}.json"
+def _own_file_name() -> str:
+    return process_file(jax.process_index(), jax.process_count())
 
 
 class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
@@ -54,23 +55,33 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
         return ITERATOR_STATES_HANDLER_TYPESTR
 
     def save(self, directory: Any, args: IteratorStatesSave) -> None:
-        path = Path(directory) / _file_name(jax.process_index(), jax.process_count())
-        path.write_text(json.dumps(args.states))
+        (Path(directory) / _own_file_name()).write_bytes(args.encoded())
 
     def restore(self, directory: Any, args: IteratorStatesRestore | None = None) -> dict[str, Any]:
-        del args
+        """This process's positions, or those of a job of another size where all were the same.
+
+        With `args.checksums` (by file name), each file read is checked against its checksum
+        before it is parsed: a ValueError names a file that differs.
+        """
+        saved = None if args is None else args.checksums
         directory = Path(directory)
-        own = directory / _file_name(jax.process_index(), jax.process_count())
-        if own.is_file():
-            states: dict[str, Any] = json.loads(own.read_text())
-            return states
-        saved = sorted(directory.glob(f"{_FILE_PREFIX}*.json"))
-        if not saved:
+        own = directory / _own_file_name()
+        paths = (
+            [own]
+            if own.is_file()
+            else sorted(path for path in directory.iterdir() if PROCESS_FILE.fullmatch(path.name))
+        )
+        if not paths:
             raise FileNotFoundError(f"{directory} holds no iterator positions.")
-        contents = {path.read_text() for path in saved}
+        contents = set()
+        for path in paths:
+            data = path.read_bytes()
+            if saved is not None:
+                checksums.check_file(path.name, data, saved)
+            contents.add(data)
         if len(contents) > 1:
             raise ValueError(
-                f"the iterator positions were saved by {len(saved)} processes, each with its own, "
+                f"the iterator positions were saved by {len(paths)} processes, each with its own, "
                 f"and this job has {jax.process_count()}: restore them in a job of as many processes "
                 "(or restore without the iterators in the target)."
             )
@@ -82,11 +93,17 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
 class IteratorStatesSave(ocp.args.CheckpointArgs):  # type: ignore[misc]
     states: dict[str, Any]
 
+    def encoded(self) -> bytes:
+        """The bytes of this process's file: what the handler writes and the checksum is of."""
+        return json.dumps(self.states).encode()
+
 
 @ocp.args.register_with_handler(IteratorStatesHandler, for_restore=True)
 @dataclasses.dataclass
 class IteratorStatesRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]
-    pass
+    """`checksums`: the files' checksums by name, to check them against; None not to."""
+
+    checksums: dict[str, int] | None = None
 
 
 # Steps name it by its typestr, which `register_with_handler` above registered; older
@@ -97,6 +114,11 @@ answer_to_former_names(IteratorStatesHandler, IteratorStatesSave, IteratorStates
 def item_handlers() -> dict[str, ocp.CheckpointHandler]:
     """The handler of the item, for the checkpoint manager."""
     return {ITERATORS_ITEM: IteratorStatesHandler()}
+
+
+def own_file(args: IteratorStatesSave) -> dict[str, bytes]:
+    """The file this process writes for `args`, by its path in the step, for its checksum."""
+    return {f"{ITERATORS_ITEM}/{_own_file_name()}": args.encoded()}
 
 
 def _is_iterator(leaf: Any) -> bool:
@@ -149,12 +171,14 @@ def restoring_positions(
     *,
     mismatch: type[Exception],
     corrupt: type[Exception],
+    saved_checksums: dict[str, int] | None = None,
 ) -> Callable[[jax.sharding.Sharding, PyTree], PyTree]:
     """`read` (a step's arrays onto a sharding, checked against a target) that also restores the
     iterators of the target to their saved positions, or gives the saved states without one.
 
-    The positions are read and matched to the target's iterators before any array is read; the
-    iterators are set only once the arrays are read.
+    The positions are read (checked against `saved_checksums`, by file name, when given) and
+    matched to the target's iterators before any array is read; the iterators are set only once
+    the arrays are read.
     """
 
     def read_with_positions(sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
@@ -162,7 +186,7 @@ def restoring_positions(
         states: dict[str, Any] = {}
         if (Path(manager.directory) / str(step) / ITERATORS_ITEM).is_dir():
             try:
-                args = ocp.args.Composite(**{ITERATORS_ITEM: IteratorStatesRestore()})
+                args = ocp.args.Composite(**{ITERATORS_ITEM: IteratorStatesRestore(saved_checksums)})
                 restored = manager.restore(step, args=args)
                 states = dict(restored[ITERATORS_ITEM])
             except Exception as error:

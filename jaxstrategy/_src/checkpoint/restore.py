@@ -7,8 +7,13 @@ given, checked leaf by leaf first, every difference reported at once) comes an a
 directly onto its device, committed, whatever strategy saved it. Leaves JAX would narrow while
 `jax_enable_x64` is off (int64, uint64, float64, complex128) are read exactly onto the host
 instead, since orbax would cast them silently: integers that do not fit the 32-bit type are an
-OverflowError, and floats come back 32-bit with a warning. The bytes read are checked against the
-step's checksums (`checksums.py`) before any leaf is narrowed.
+OverflowError, and floats come back 32-bit with a warning.
+
+Checksums (`checksums.py`), unless `verify=False`: the step's `checksums` item is read and checked
+to be whole first (`step_checksums`), and to cover every leaf before any is read; the JSON items
+are checked as soon as they are read, before they are used (an edited PRNG implementation or
+zero-size shape is a CorruptCheckpointError, not JAX's TypeError or a wrong shape); the arrays'
+bytes once read, before any leaf is narrowed.
 
 A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
 `ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
@@ -17,7 +22,9 @@ restored the same way.
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,9 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import checksums, stored_leaves
+from jaxstrategy._src.checkpoint import checksums, regions, stored_leaves
 from jaxstrategy._src.checkpoint.format import (
-    CHECKSUMS_ITEM,
     PRNG_KEYS_ITEM,
     STATE_ITEM,
     STEP_NAME,
@@ -41,7 +47,7 @@ from jaxstrategy._src.checkpoint.format import (
     is_complete,
 )
 from jaxstrategy._src.core import orbax_compat
-from jaxstrategy._src.core.errors import bullet_list
+from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
 from jaxstrategy._src.core.tree_checks import PYTHON_SCALARS
 from jaxstrategy._src.core.types import PyTree
 
@@ -114,33 +120,55 @@ def restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) ->
         handler.close()
 
 
+def step_metadata(manager: ocp.CheckpointManager, step: int, where: str) -> Any:
+    """Orbax's metadata of `step` (its items' metadata, its custom metadata), read once."""
+    try:
+        return manager.metadata(step)
+    except Exception as error:
+        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+
+def step_checksums(metadata: Any, step_directory: Path, where: str) -> checksums.SavedChecksums | None:
+    """The checksums saved with the step, checked to be whole; None for a step saved before them."""
+    try:
+        return checksums.load(step_directory, metadata.custom_metadata)
+    except Exception as error:
+        raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+
+
 def restore_step(
     manager: ocp.CheckpointManager,
-    directory: Path,
+    metadata: Any,
     step: int,
+    where: str,
     sharding: jax.sharding.Sharding,
     target: PyTree,
     *,
-    verify: bool = True,
+    saved_checksums: checksums.SavedChecksums | None,
 ) -> PyTree:
-    """Restore `step` of `manager`'s checkpoint in `directory` onto `sharding`, shaped as `target`
-    (the saved structure when None), its leaves checked against their checksums when `verify`."""
-    where = f"step {step} in {directory}"
+    """Restore `step` of `manager`'s checkpoint (`metadata` its orbax metadata) onto `sharding`,
+    shaped as `target` (the saved structure when None), checked against `saved_checksums`
+    (those of the step, or None not to check)."""
     try:
-        metadata = manager.item_metadata(step)
-        saved = metadata[STATE_ITEM]
-        # Steps saved without zero-size arrays, or before checksums, have no such item.
-        present = metadata.keys()
+        saved = metadata.item_metadata[STATE_ITEM]
+        # Steps saved without zero-size arrays have no such item.
         items = {PRNG_KEYS_ITEM: ocp.args.JsonRestore()}
-        if ZERO_SIZE_SHAPES_ITEM in present:
+        if ZERO_SIZE_SHAPES_ITEM in metadata.item_metadata.keys():
             items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonRestore()
-        if verify and CHECKSUMS_ITEM in present:
-            items[CHECKSUMS_ITEM] = checksums.ChecksumRestore()
         values = manager.restore(step, args=ocp.args.Composite(**items))
+        regions = None
+        if saved_checksums is not None:  # Before any of it is used.
+            for item in items:
+                saved_checksums.check_json(item, values[item])
+            regions = saved_checksums.leaf_regions(
+                {
+                    stored_leaves.path_string(path): tuple(meta.shape)
+                    for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]
+                }
+            )
         prng_impls = values[PRNG_KEYS_ITEM] or {}
         shapes = values[ZERO_SIZE_SHAPES_ITEM] if ZERO_SIZE_SHAPES_ITEM in items else {}
         zero_size = {path: tuple(shape) for path, shape in shapes.items()}
-        saved_checksums = checksums.read(values[CHECKSUMS_ITEM]) if CHECKSUMS_ITEM in items else None
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
 
@@ -148,9 +176,10 @@ def restore_step(
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)})
         return manager.restore(step, args=args)[STATE_ITEM]
 
-    return _restore_state(
-        read, saved, prng_impls, zero_size, sharding, target, where, saved_checksums=saved_checksums
-    )
+    verify = None
+    if saved_checksums is not None and regions is not None:
+        verify = functools.partial(_verify, regions=regions, algorithm=saved_checksums.algorithm, where=where)
+    return _restore_state(read, saved, prng_impls, zero_size, sharding, target, where, verify=verify)
 
 
 def _restore_state(
@@ -162,12 +191,12 @@ def _restore_state(
     target: PyTree,
     where: str,
     *,
-    saved_checksums: dict[str, int] | None = None,
+    verify: Callable[[PyTree], None] | None = None,
 ) -> PyTree:
     """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`.
 
-    With `saved_checksums`, the leaves read are checked against them, as stored (PRNG keys as
-    their data, 64-bit leaves before they are narrowed).
+    `verify`, when given, checks the leaves read as stored (PRNG keys as their data, 64-bit
+    leaves before they are narrowed, zero-size arrays as their placeholders).
     """
     saved_leaves = {}
     for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
@@ -187,8 +216,8 @@ def _restore_state(
     except Exception as error:
         orbax_compat.drop_abandoned_reads(error)
         raise CorruptCheckpointError(_read_failure(error, saved, where)) from error
-    if saved_checksums:
-        _verify(restored, saved_checksums, where)
+    if verify is not None:
+        verify(restored)
     restored = stored_leaves.narrow_wide(restored, sharding, where)
     restored = stored_leaves.restore_zero_size(restored, zero_size, sharding)
     return stored_leaves.wrap_prng_keys(restored, prng_impls)
@@ -216,14 +245,25 @@ def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
     )
 
 
-def _verify(restored: PyTree, saved_checksums: dict[str, int], where: str) -> None:
-    damaged = checksums.mismatches(restored, saved_checksums)
+def _verify(
+    restored: PyTree, regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
+) -> None:
+    damaged, unchecked = checksums.mismatches(restored, regions, algorithm)
     if damaged:
         raise CorruptCheckpointError(
             f"Cannot read the checkpoint at {where}: the bytes read for these leaves differ from "
             "those saved (their checksums, written with the step, do not match), so its files were "
             f"damaged or changed after the save:{bullet_list(damaged)}\nRestore another step, or "
             "restore with verify=False to get the damaged values anyway."
+        )
+    if unchecked:
+        warnings.warn(
+            f"Restoring the checkpoint at {where}: these parts of leaves, saved whole by one process, "
+            f"are restored split over processes, so no process holds one whole to check it against "
+            f"its checksum, and they restore unchecked: {unchecked}. Restore onto a sharding that "
+            "keeps each saved shard within one process to check them.",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
         )
 
 
