@@ -29,6 +29,14 @@ MAY_IMPORT = {
 }
 
 
+# Inside `checkpoint/`, the restore side and the save side do not import each other (format.py).
+SIDES = {
+    "restore": {"checkpointer", "writer", "lock"},
+    "writer": {"restore", "checkpointer"},
+    "lock": {"restore", "checkpointer"},
+}
+
+
 def _room(path: Path, src: Path) -> str | None:
     """The room of a module file, or None for a file directly in `_src`."""
     parts = path.relative_to(src).parts
@@ -88,6 +96,8 @@ def layering_violations(src: Path = SRC) -> list[str]:
                 continue
             if target != room and target not in MAY_IMPORT[room]:
                 problems.append(f"{shown}:{line}: {room} imports {module} ({target})")
+            elif room == "checkpoint" and len(parts) == 4 and parts[3] in SIDES.get(path.stem, ()):
+                problems.append(f"{shown}:{line}: {path.stem}.py imports the other side, {module}")
     return problems
 
 
@@ -174,4 +184,19 @@ def test_a_module_directly_in_src_is_caught(tmp_path):
     assert layering_violations(src) == [
         "jaxstrategy/_src/stray.py: a module directly in _src; put it in one of "
         "['checkpoint', 'cluster', 'core', 'input', 'steps', 'strategies', 'values']"
+    ]
+
+
+def test_the_restore_side_importing_the_save_side_is_caught(tmp_path):
+    src = tmp_path / "jaxstrategy" / "_src"
+    (src / "checkpoint").mkdir(parents=True)
+    (src / "checkpoint" / "restore.py").write_text(
+        "from jaxstrategy._src.checkpoint.writer import DirectoryWriter\n"
+    )
+    (src / "checkpoint" / "writer.py").write_text("from jaxstrategy._src.checkpoint import format, restore\n")
+    assert layering_violations(src) == [
+        "jaxstrategy/_src/checkpoint/restore.py:1: restore.py imports the other side, "
+        "jaxstrategy._src.checkpoint.writer",
+        "jaxstrategy/_src/checkpoint/writer.py:1: writer.py imports the other side, "
+        "jaxstrategy._src.checkpoint.restore",
     ]

@@ -12,6 +12,7 @@ import threading
 import jax
 import pytest
 
+from jaxstrategy._src.input import agreement as agreement_module
 from jaxstrategy._src.input.agreement import StepAgreement, agreed_steps
 from jaxstrategy._src.input.replica_batches import DroppedBatch
 
@@ -153,14 +154,20 @@ def test_two_processes_agree_step_by_step_and_clean_up_after_themselves():
     assert service.store == {}  # Every step's keys deleted once both had read them.
 
 
-def test_closing_the_iterator_ends_a_wait():
+@pytest.fixture
+def polling_fast(monkeypatch):
+    """Waits polled every 0.1 s instead of every second: the tests below wait out a poll."""
+    monkeypatch.setattr(agreement_module, "_POLL_MS", 100)
+
+
+def test_closing_the_iterator_ends_a_wait(polling_fast):
     stop = threading.Event()
     alone = agreement(FakeCoordinationService(), stop=stop)
     threading.Timer(0.2, stop.set).start()
     assert alone.count(0, "f32[2]") is None
 
 
-def test_waiting_past_the_timeout_names_the_step_and_how_many_arrived():
+def test_waiting_past_the_timeout_names_the_step_and_how_many_arrived(polling_fast):
     alone = agreement(FakeCoordinationService(), timeout_s=0.5)
     with pytest.raises(
         TimeoutError,

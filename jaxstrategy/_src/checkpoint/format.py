@@ -21,8 +21,9 @@ jaxstrategy items name themselves in each step's orbax metadata by the fixed str
 by their module paths, so that a move inside jaxstrategy does not change what a step says; plain
 orbax finds them by those strings once jaxstrategy's checkpoint module is imported.
 
-The save side (`checkpointer.py`, `writer.py`) and the restore side (`restore.py`) both depend
-on this module, and not on each other.
+The restore side (`restore.py`) and the save side (`writer.py` and `lock.py`) both depend on
+this module, and not on each other; `checkpointer.py`, the front (`Checkpointer`, `save`,
+`restore`), uses both. `tests/test_layering.py` holds them to that.
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ def answer_to_former_names(handler: type, save_args: type, restore_args: type) -
     """
     for former in FORMER_TYPESTRS[handler.typestr()]:  # type: ignore[attr-defined]
         alias = type(
-            handler.__name__,
+            f"{handler.__name__}ByFormerName",
             (handler,),
             {
                 "typestr": classmethod(lambda cls, name=former: name),
-                "__qualname__": f"{handler.__qualname__}.former",
+                "__qualname__": f"{handler.__qualname__}ByFormerName",
                 "__doc__": f"{handler.__name__}, by the name {former!r} that older steps give it.",
             },
         )
