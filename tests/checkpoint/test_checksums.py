@@ -619,6 +619,10 @@ _NOT_CHECKSUMS = "its 'checksums' item's file process_0-of-1.json is not a file 
             "its checksums do not cover all of these leaves, so its 'checksums' item was damaged or changed "
             "after the save:\n  w: 0 of its 3 elements have a checksum\n",
         ),
+        (
+            _edit_leaves(lambda leaves: {"w": {"0:3": leaves["w"]["0:3"] + 0.5}}),
+            _NOT_CHECKSUMS + " (ValueError('a checksum is ",
+        ),
     ],
     ids=[
         "record not an object",
@@ -630,6 +634,7 @@ _NOT_CHECKSUMS = "its 'checksums' item's file process_0-of-1.json is not a file 
         "items emptied",
         "checksum of no leaf",
         "region outside the leaf",
+        "checksum not an int",
     ],
 )
 def test_damaged_checksums_are_a_corrupt_checkpoint_saying_what_is_wrong(tmp_path, damage, message):
@@ -652,3 +657,18 @@ def test_a_file_without_a_checksum_is_refused():
     ):
         checksums.check_file("process_1-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")})
     checksums.check_file("process_0-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")})
+
+
+def test_a_step_the_interval_skips_takes_no_checksums(tmp_path, monkeypatch):
+    taken = []
+    save_args = checksums.save_args
+
+    def counted(*args, **kwargs):
+        taken.append(args)
+        return save_args(*args, **kwargs)
+
+    monkeypatch.setattr(checksums, "save_args", counted)
+    with checkpoint.Checkpointer(tmp_path, save_interval_steps=2) as checkpointer:
+        assert checkpointer.save(0, {"w": jnp.ones(3)})
+        assert not checkpointer.save(1, {"w": jnp.ones(3)})  # Summing would copy every shard to the host.
+    assert len(taken) == 1

@@ -315,6 +315,11 @@ def _circular():
     return {"loop": loop}
 
 
+def _shared_then_bad():
+    shared = [1, 2]  # Twice, not within itself: JSON takes it.
+    return {"a": shared, "b": shared, "c": np.int32(7)}
+
+
 @pytest.mark.parametrize(
     ("state", "problem"),
     [
@@ -323,8 +328,9 @@ def _circular():
         ({(1, 2): 3}, "state has the key (1, 2), a tuple"),
         ({"at": object()}, "state['at'] is an object"),
         (_circular(), "state['loop'][0] contains itself"),
+        (_shared_then_bad(), "state['c'] is a numpy int32"),
     ],
-    ids=["numpy int", "nested numpy bool", "tuple key", "object", "circular"],
+    ids=["numpy int", "nested numpy bool", "tuple key", "object", "circular", "shared twice"],
 )
 def test_what_json_cannot_hold_is_named_by_its_path(state, problem):
     assert iterator_state.encode_source_state(state, Stateful(1)) == iterator_state.UnsavableState(

@@ -57,6 +57,13 @@ def test_put_gives_every_variable_buffers_of_its_own(strategy):
         np.testing.assert_array_equal(np.asarray(array), np.arange(8.0))
 
 
+def test_arrays_with_no_elements_own_no_buffer_to_share(strategy):
+    # Their addresses may all be null on an accelerator: never taken for one shared buffer.
+    empty = strategy.put({"a": jnp.zeros((0, 3)), "b": jnp.zeros((0, 3))})
+    assert device_buffers(empty["a"]) == device_buffers(empty["b"]) == set()
+    strategy.run(lambda a, b: (a, b), args=(empty["a"], empty["b"]), options=DONATE_FIRST)
+
+
 def test_a_put_variable_donated_leaves_the_array_it_came_from(strategy):
     x = jnp.arange(8.0)
     a, b = strategy.put(x), strategy.put(x)

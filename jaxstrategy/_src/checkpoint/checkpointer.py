@@ -203,7 +203,8 @@ class Checkpointer:
         if iterator_positions is not None:
             items[ITERATORS_ITEM] = iterator_positions
         record = None
-        if checksums.write_checksums:
+        # Only for a step orbax writes: summing copies every shard to the host.
+        if checksums.write_checksums and (force or self._manager.should_save(step)):
             orbax_json: dict[str, Any] = {PRNG_KEYS_ITEM: prng_impls}
             if zero_size_shapes:
                 orbax_json[ZERO_SIZE_SHAPES_ITEM] = zero_size_shapes

@@ -401,9 +401,9 @@ def load(step_directory: Path, custom_metadata: Mapping[str, Any] | None) -> Sav
         try:
             for path, by_key in content["leaves"].items():
                 leaves.setdefault(path, {}).update(
-                    {regions.from_key(key): int(value) for key, value in by_key.items()}
+                    {regions.from_key(key): _crc(value) for key, value in by_key.items()}
                 )
-            items |= {str(item): int(value) for item, value in content["items"].items()}
+            items |= {str(item): _crc(value) for item, value in content["items"].items()}
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             raise _not_checksums(name, error) from error
     _check_items(step_directory, items)
@@ -521,3 +521,10 @@ def mismatches(
                 f"{regions.describe(name, region, shape)}: {label} {found:#010x}, saved {value:#010x}"
             )
     return damaged, unchecked
+
+
+def _crc(value: Any) -> int:
+    """A checksum as read from a file: an int, not a float or a string that `int()` would take."""
+    if type(value) is not int:
+        raise ValueError(f"a checksum is {value!r}, not an int")
+    return value

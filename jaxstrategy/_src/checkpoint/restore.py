@@ -156,11 +156,11 @@ def restore_step(
         if ZERO_SIZE_SHAPES_ITEM in metadata.item_metadata.keys():
             items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonRestore()
         values = manager.restore(step, args=ocp.args.Composite(**items))
-        regions = None
+        saved_regions = None
         if saved_checksums is not None:  # Before any of it is used.
             for item in items:
                 saved_checksums.check_json(item, values[item])
-            regions = saved_checksums.leaf_regions(
+            saved_regions = saved_checksums.leaf_regions(
                 {
                     stored_leaves.path_string(path): tuple(meta.shape)
                     for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]
@@ -177,8 +177,10 @@ def restore_step(
         return manager.restore(step, args=args)[STATE_ITEM]
 
     verify = None
-    if saved_checksums is not None and regions is not None:
-        verify = functools.partial(_verify, regions=regions, algorithm=saved_checksums.algorithm, where=where)
+    if saved_checksums is not None and saved_regions is not None:
+        verify = functools.partial(
+            _verify, saved_regions=saved_regions, algorithm=saved_checksums.algorithm, where=where
+        )
     return _restore_state(read, saved, prng_impls, zero_size, sharding, target, where, verify=verify)
 
 
@@ -246,9 +248,9 @@ def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
 
 
 def _verify(
-    restored: PyTree, regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
+    restored: PyTree, saved_regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
 ) -> None:
-    damaged, unchecked = checksums.mismatches(restored, regions, algorithm)
+    damaged, unchecked = checksums.mismatches(restored, saved_regions, algorithm)
     if damaged:
         raise CorruptCheckpointError(
             f"Cannot read the checkpoint at {where}: the bytes read for these leaves differ from "

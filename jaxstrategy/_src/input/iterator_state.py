@@ -81,15 +81,18 @@ def _unencodable_part(value: Any, path: str, seen: set[int]) -> str | None:
     if isinstance(value, dict | list | tuple):
         if id(value) in seen:
             return f"{path} contains itself"
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(value, dict) and not (key is None or isinstance(key, str | int | float)):
-                return f"{path} has the key {key!r}, {_type_name(key)}"
-            found = _unencodable_part(item, f"{path}[{key!r}]", seen)
-            if found:
-                return found
-        return None
+        seen.add(id(value))  # Only while inside it: a list met twice, not within itself, is fine.
+        try:
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(value, dict) and not (key is None or isinstance(key, str | int | float)):
+                    return f"{path} has the key {key!r}, {_type_name(key)}"
+                found = _unencodable_part(item, f"{path}[{key!r}]", seen)
+                if found:
+                    return found
+            return None
+        finally:
+            seen.discard(id(value))
     return f"{path} is {_type_name(value)}"
 
 

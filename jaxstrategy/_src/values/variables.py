@@ -67,9 +67,10 @@ def device_buffers(array: jax.Array) -> set[tuple[int, int]]:
     """The device buffers behind this process's shards of `array`: (device id, address) pairs.
 
     Two arrays share memory exactly when these sets meet. Addresses alone would not do: two
-    accelerators can hand out the same address. A deleted array or a tracer has none.
+    accelerators can hand out the same address. A deleted array, a tracer, and an array with no
+    elements (which owns no memory, and whose address may be null for every such array) have none.
     """
-    if is_tracer(array) or array.is_deleted():
+    if is_tracer(array) or array.is_deleted() or array.size == 0:
         return set()
     return {(shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in array.addressable_shards}
 
