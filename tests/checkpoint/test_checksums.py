@@ -429,14 +429,16 @@ _JOB = textwrap.dedent(
         jax.sharding.PartitionSpec("x"),
     )
     split = jax.make_array_from_callback(values.shape, interleaved, lambda index: values[index])
-    regions = {"w": {((0, 4),): 0, ((4, 8),): checksums.crc32c(values[4:8]), ((8, 16),): 0}}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            restore._verify({"w": split}, regions, checksums.ALGORITHM, "the job")
-        except checkpoint.CorruptCheckpointError as error:
-            caught.append(error)
-    said = [str(getattr(w, "message", w)) for w in caught]
+    said = []
+    for first in (0, checksums.crc32c(values[0:4])):  # Process 0's region damaged, then not.
+        regions = {"w": {((0, 4),): first, ((4, 8),): checksums.crc32c(values[4:8]), ((8, 16),): 0}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                restore._verify({"w": split}, regions, checksums.ALGORITHM, "the job")
+            except checkpoint.CorruptCheckpointError as error:
+                caught.append(error)
+        said.append([str(getattr(w, "message", w)) for w in caught])
     print(json.dumps({"w": np.asarray(restored["w"]).tolist(), "said": said}), flush=True)
     """
 )
@@ -450,19 +452,25 @@ def test_each_process_of_a_job_checksums_its_own_shards_and_positions(tmp_path):
     assert [result.returncode for result in results] == [0, 0], [r.stderr[-3000:] for r in results]
     seen = [json.loads(result.stdout.splitlines()[-1]) for result in results]
     assert [process["w"] for process in seen] == [list(map(float, range(16)))] * 2
-    # Process 0 holds 0:4 (its checksum, 0, is wrong: found); process 1 holds 4:8 (right).
-    assert re.fullmatch(
-        r"Cannot read the checkpoint at the job: the bytes read for these leaves differ from those "
-        r"saved .*:\n  w\[0:4\]: crc32c 0x[0-9a-f]{8}, saved 0x00000000\n.*",
-        seen[0]["said"][0],
-        re.DOTALL,
-    ), seen[0]["said"]
-    assert seen[1]["said"] == [
-        "Restoring the checkpoint at the job: these parts of leaves, saved whole by one process, are "
-        "restored split over processes, so no process holds one whole to check it against its "
-        "checksum, and they restore unchecked: ['w[8:16]']. Restore onto a sharding that keeps each "
-        "saved shard within one process to check them."
-    ]
+    # Process 0 holds 0:4 (its checksum, 0, is wrong: found), process 1 holds 4:8 (right), and
+    # both raise: process 1 alone would go on into a step and wait there for process 0.
+    for process in seen:
+        (damaged,) = process["said"][0]
+        assert re.fullmatch(
+            r"Cannot read the checkpoint at the job: the bytes read for these leaves differ from those "
+            r"saved .*:\n  w\[0:4\]: crc32c 0x[0-9a-f]{8}, saved 0x00000000 \(found by process 0\)\n.*",
+            damaged,
+            re.DOTALL,
+        ), process["said"]
+    # With 0:4 right, both warn of what neither could check.
+    assert [process["said"][1] for process in seen] == [
+        [
+            "Restoring the checkpoint at the job: these parts of leaves, saved whole by one process, "
+            "are restored split over processes, so no process holds one whole to check it against its "
+            "checksum, and they restore unchecked: ['w[8:16]']. Restore onto a sharding that keeps "
+            "each saved shard within one process to check them."
+        ]
+    ] * 2
     files = {
         i: json.loads((tmp_path / "0" / "checksums" / f"process_{i}-of-2.json").read_text()) for i in range(2)
     }

@@ -23,6 +23,7 @@ restored the same way.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import warnings
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from jaxstrategy._src.checkpoint.format import (
     check_step,
     is_complete,
 )
+from jaxstrategy._src.cluster import coordination
 from jaxstrategy._src.core import orbax_compat
 from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
 from jaxstrategy._src.core.tree_checks import PYTHON_SCALARS
@@ -251,6 +253,10 @@ def _verify(
     restored: PyTree, saved_regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
 ) -> None:
     damaged, unchecked = checksums.mismatches(restored, saved_regions, algorithm)
+    if any(
+        not leaf.is_fully_addressable for leaf in jax.tree.leaves(restored) if isinstance(leaf, jax.Array)
+    ):
+        damaged, unchecked = _every_process_finding(damaged, unchecked, where)
     if damaged:
         raise CorruptCheckpointError(
             f"Cannot read the checkpoint at {where}: the bytes read for these leaves differ from "
@@ -267,6 +273,29 @@ def _verify(
             UserWarning,
             stacklevel=caller_stacklevel(),
         )
+
+
+# How long a process waits for the others to finish checking what they restored.
+_FINDINGS_TIMEOUT_S = 300
+
+
+def _every_process_finding(damaged: list[str], unchecked: Any, where: str) -> tuple[list[str], list[str]]:
+    """What every process of the job found, so that all of them raise, or warn, together.
+
+    Where the restored arrays are sharded over the processes, each process checks the regions it
+    holds, and only the one holding a damaged region would find it: it would raise while the
+    others went on into a step and waited in its collectives for it, until JAX's heartbeat ended
+    the job with an error about a lost process instead of the checkpoint.
+    """
+    mine = json.dumps({"damaged": list(damaged), "unchecked": [str(part) for part in unchecked]})
+    found = coordination.every_process_value(mine, caller=f"restoring {where}", timeout_s=_FINDINGS_TIMEOUT_S)
+    every_damaged: list[str] = []
+    every_unchecked: list[str] = []
+    for process, text in sorted(found.items()):
+        finding = json.loads(text)
+        every_damaged += [f"{line} (found by process {process})" for line in finding["damaged"]]
+        every_unchecked += [part for part in finding["unchecked"] if part not in every_unchecked]
+    return every_damaged, every_unchecked
 
 
 def _abstract_target(

@@ -30,21 +30,20 @@ def value_when_set(client: Any, key: str, timeout_ms: int) -> str | None:
 _value_serials = itertools.count()
 
 
-def require_same_on_every_process(signature: str, *, what: str, caller: str, timeout_s: float) -> None:
-    """Raise a ValueError on every process unless all of them pass the same `signature`.
+def every_process_value(value: str, *, caller: str, timeout_s: float) -> dict[int, str]:
+    """Post `value` and return every process's, by process index: a gather through the service.
 
-    Each process writes its signature under a key of its own (the calls' order, the same on every
+    Each process writes its value under a key of its own (the calls' order, the same on every
     process, names the call), reads the others', and the last to read deletes the call's keys.
 
     Raises:
-      ValueError: the signatures differ; the message lists each process's.
       TimeoutError: some process did not make this call within `timeout_s`.
     """
     client = coordination_client()
     n, me = jax.process_count(), jax.process_index()
     namespace = f"jaxstrategy/values/{next(_value_serials)}"
-    client.key_value_set(f"{namespace}/signature/{me}", signature)
-    signatures = {}
+    client.key_value_set(f"{namespace}/signature/{me}", value)
+    values = {}
     for process in range(n):
         found = value_when_set(client, f"{namespace}/signature/{process}", int(timeout_s * 1000))
         if found is None:
@@ -52,9 +51,20 @@ def require_same_on_every_process(signature: str, *, what: str, caller: str, tim
                 f"{caller}: process {me} waited {timeout_s:.0f} s for process {process} to make the "
                 "same call. Every process must make the same calls in the same order."
             )
-        signatures[process] = found
+        values[process] = found
     if client.key_value_increment(f"{namespace}/done", 1) == n:
         client.key_value_delete(namespace)
+    return values
+
+
+def require_same_on_every_process(signature: str, *, what: str, caller: str, timeout_s: float) -> None:
+    """Raise a ValueError on every process unless all of them pass the same `signature`.
+
+    Raises:
+      ValueError: the signatures differ; the message lists each process's.
+      TimeoutError: some process did not make this call within `timeout_s`.
+    """
+    signatures = every_process_value(signature, caller=caller, timeout_s=timeout_s)
     if len(set(signatures.values())) > 1:
         lines = "".join(f"\n  process {process}: {s}" for process, s in sorted(signatures.items()))
         raise ValueError(
