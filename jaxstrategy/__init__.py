@@ -21,6 +21,7 @@ from jaxstrategy._src.strategies.multi_worker import (
 )
 from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.strategies.strategy import Strategy as Strategy
+from jaxstrategy._src.strategies.strategy import StrategyExtended as StrategyExtended
 from jaxstrategy._src.strategies.strategy import experimental_set_strategy as experimental_set_strategy
 from jaxstrategy._src.strategies.strategy import get_replica_context as get_replica_context
 from jaxstrategy._src.strategies.strategy import get_strategy as get_strategy
@@ -69,6 +70,7 @@ __all__ = (
     "RunOptions",
     "SimpleClusterResolver",
     "Strategy",
+    "StrategyExtended",
     "StrategyContextError",
     "TFConfigClusterResolver",
     "ValueContext",

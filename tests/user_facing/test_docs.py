@@ -30,7 +30,7 @@ EXPECTED = re.compile(r"print\(.*?\)\s*# (.+)")
 
 # Public modules whose every `__all__` name needs an entry in docs/api/.
 PUBLIC_MODULES = ("jaxstrategy", "jaxstrategy.checkpoint", "jaxstrategy.nn", "jaxstrategy.testing")
-API_ENTRY = re.compile(r"^\.\. (?:autoclass|autofunction|autodata|automodule):: (\S+)", re.MULTILINE)
+API_ENTRY = re.compile(r"^\.\. (?:autoclass|autofunction|autodata|automodule|data):: (\S+)", re.MULTILINE)
 CURRENT_MODULE = re.compile(r"^\.\. currentmodule:: (\S+)", re.MULTILINE)
 
 

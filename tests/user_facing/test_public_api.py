@@ -30,6 +30,7 @@ PUBLIC_NAMES = (
     "RunOptions",
     "SimpleClusterResolver",
     "Strategy",
+    "StrategyExtended",
     "StrategyContextError",
     "TFConfigClusterResolver",
     "ValueContext",

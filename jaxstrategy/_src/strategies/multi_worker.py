@@ -91,7 +91,7 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
       heartbeat_timeout_seconds: seconds after which a process that stopped responding (it
         crashed, or was killed) counts as dead; JAX then ends every other process. Also how
         long a process whose program ended waits at exit for the others to end too: any still
-        running then are ended (see README, "Many processes"), as are all of them at once when
+        running then are ended (see the "Many hosts" guide), as are all of them at once when
         one raises an uncaught exception.
       input_timeout_seconds: seconds a process's distributed dataset waits for the other
         processes' at one step before it raises a `TimeoutError`: they wait forever when

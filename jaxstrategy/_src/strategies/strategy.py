@@ -49,6 +49,12 @@ class StrategyExtended:
       should_checkpoint: whether this process should save checkpoints.
       should_save_summary: whether this process should write summaries.
       experimental_require_static_shapes: False; JAX compiles one program per shape.
+
+    Example:
+      >>> import jaxstrategy
+      >>> extended = jaxstrategy.OneDeviceStrategy('/cpu:0').extended
+      >>> extended.worker_devices, extended.should_checkpoint
+      (('/job:localhost/replica:0/task:0/device:CPU:0',), True)
     """
 
     worker_devices: tuple[str, ...]
