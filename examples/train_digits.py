@@ -162,7 +162,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256, help="width of the two hidden layers")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the shuffles and the weights")
     parser.add_argument(
-        "--output-dir", type=Path, default=Path("demo_output"), help="where the checkpoints and loss curve go"
+        "--output-dir",
+        type=Path,
+        help="where the checkpoints and loss curve go (default: demo_output/one_device, or "
+        "demo_output/N_replicas with --replicas N, so that each placement trains its own run)",
     )
     parser.add_argument(
         "--preempt-at",
@@ -179,6 +182,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of --replicas {args.replicas}")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
+    if args.output_dir is None:
+        # One folder per placement: a run on four replicas after one on one device would otherwise
+        # find all its epochs trained already, in the first run's checkpoints.
+        placement = "one_device" if args.replicas is None else f"{args.replicas}_replicas"
+        args.output_dir = Path("demo_output") / placement
     return args
 
 
