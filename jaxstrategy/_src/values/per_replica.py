@@ -72,12 +72,27 @@ class PerReplica:
         return "PerReplica:{\n" + ",\n".join(lines) + "\n}"
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        raise TypeError(
-            "A PerReplica holds one value per replica, so it cannot be used as one array. Take its "
-            "components with strategy.experimental_local_results(value), combine them with "
-            "strategy.reduce(...) or strategy.gather(...), or pass it to strategy.run, which gives "
-            "each replica its own component."
-        )
+        raise _one_value_error("used as one array")
+
+    # `float(loss)` is the first thing tried on a loss that was not all-reduced; Python would say
+    # only that a PerReplica is not a number, and `if loss:` would be silently true.
+    def __float__(self) -> float:
+        raise _one_value_error("turned into one float")
+
+    def __int__(self) -> int:
+        raise _one_value_error("turned into one int")
+
+    def __bool__(self) -> bool:
+        raise _one_value_error("used as one truth value")
+
+
+def _one_value_error(use: str) -> TypeError:
+    return TypeError(
+        f"A PerReplica holds one value per replica, so it cannot be {use}. Take its components "
+        "with strategy.experimental_local_results(value), combine them with strategy.reduce(...) "
+        "or strategy.gather(...) (or all-reduce the value inside run, as a loss usually is), or "
+        "pass it to strategy.run, which gives each replica its own component."
+    )
 
 
 jax.tree_util.register_pytree_node(
