@@ -20,6 +20,7 @@ from jaxstrategy._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from jaxstrategy._src.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxstrategy._src.strategies.strategy import Strategy as Strategy
 from jaxstrategy._src.strategies.strategy import StrategyExtended as StrategyExtended
 from jaxstrategy._src.strategies.strategy import experimental_set_strategy as experimental_set_strategy
@@ -68,6 +69,7 @@ __all__ = (
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
+    "ShardedStrategy",
     "SimpleClusterResolver",
     "Strategy",
     "StrategyExtended",

@@ -48,6 +48,9 @@ class ReplicaLayout:
         some replicas belong to other processes, each process places only its own replicas'
         parts, and the processes' inputs end together (see `input/agreement.py`).
       input_timeout_s: then, how long a process's input waits for the others' at one step.
+      split_sharding: where each replica's part is also split along its first axis over the
+        replica's devices (ShardedStrategy), or None. Parts that are scalars stay on
+        `sharding`; a part whose first axis the devices do not divide is an error.
     """
 
     sharding: jax.sharding.Sharding
@@ -55,6 +58,7 @@ class ReplicaLayout:
     stacked: bool = False
     local_replicas: range | None = None
     input_timeout_s: float = 3600.0
+    split_sharding: jax.sharding.NamedSharding | None = None
 
     @property
     def local_replica_ids(self) -> range:

@@ -32,6 +32,7 @@ ones go to it after an identity check for an array passed twice.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import types
@@ -100,6 +101,9 @@ class StepCache:
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
+      layout_key: where `in_shardings` is a function whose answer depends on where arrays are
+        (which a trace cannot see), what a call's layout must keep for a compiled step to take
+        it, computed from `(args, kwargs)` alike for arrays and tracers.
 
     `call_fast` is the hot path; `__call__` takes every call, compiling what it must.
     """
@@ -114,8 +118,10 @@ class StepCache:
         in_flight_limit: InFlightLimit | None = None,
         scalars_are_static: bool = False,
         admits: Callable[[tuple[Any, ...]], bool] | None = None,
+        layout_key: Callable[[PyTree], Hashable] | None = None,
     ):
         self._admits = admits or _admit_all
+        self._layout_key = layout_key
         # `function_key(fn)` -> the compiled wrapper of each function whose last call had only
         # array-like positional arguments and no options (or, on one device, donation alone,
         # keyed with the options), called as `_fast[key](*args)`.
@@ -218,8 +224,10 @@ class StepCache:
 
     def _layout(self, args_and_kwargs: PyTree) -> _Layout:
         if self._layout_of is None:
-            return _Layout(self._in_shardings, self._out_shardings)
-        return _Layout(self._layout_of(args_and_kwargs), self._out_shardings)
+            return _Layout(self._in_shardings, self._out_shardings, None)
+        inputs = self._layout_of(args_and_kwargs)
+        key = _flat(inputs) if self._layout_key is None else self._layout_key(args_and_kwargs)
+        return _Layout(inputs, self._out_shardings, key)
 
     def _add(
         self, key: Hashable, fn: StepFn, options: RunOptions | None, *, count_towards_warning: bool
@@ -228,9 +236,11 @@ class StepCache:
             self._evict(next(iter(self._entries)))
         if count_towards_warning:
             self._warn_on_repeated_code(fn)
-        entry = _CompiledStep(
-            fn, self._program, self._caller, options, self._scalars_are_static, self._layout_of
-        )
+        layout_key = self._layout_key
+        if layout_key is None and self._layout_of is not None:
+            layout_of = self._layout_of
+            layout_key = lambda args_and_kwargs: _flat(layout_of(args_and_kwargs))  # noqa: E731
+        entry = _CompiledStep(fn, self._program, self._caller, options, self._scalars_are_static, layout_key)
         # When the function (or the method's object) is collected, its entry goes too; the id in
         # the key cannot be reused before then.
         owner = fn.__self__ if type(fn) is types.MethodType else fn
@@ -321,11 +331,13 @@ class LayoutChanged(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where one call's inputs go (a sharding, or a tree of them shaped like `(args, kwargs)`) and
-    where its outputs go (None: where the program puts them)."""
+    """Where one call's inputs go (a sharding, or a tree of them shaped like `(args, kwargs)`),
+    where its outputs go (None: where the program puts them), and what a compiled step checks
+    when it traces (None where the layout does not depend on the arguments)."""
 
     inputs: Any
     outputs: jax.sharding.Sharding | None
+    key: Hashable
 
     def for_positional(self) -> Any:
         """`in_shardings` for a call with the positional arguments only."""
@@ -366,7 +378,7 @@ class _CompiledStep:
         caller: str,
         options: RunOptions | None,
         scalars_are_static: bool,
-        layout_of: Callable[[PyTree], PyTree] | None,
+        layout_key: Callable[[PyTree], Hashable] | None,
     ):
         self.finalizer: weakref.finalize[Any, Any] | None = None
         self.strong_reference: Any = None
@@ -405,7 +417,7 @@ class _CompiledStep:
             "packed": call_packed,
             "partitioned": call_with_static,
         }
-        self._layout_of = layout_of
+        self._layout_key = layout_key
         self._jitted: dict[Hashable, Callable[..., PyTree]] = {}
 
     def jitted(self, kind: str, in_shardings: Any, layout: _Layout) -> tuple[Callable[..., PyTree], bool]:
@@ -424,9 +436,9 @@ class _CompiledStep:
         else:
             if kind == "donating":
                 pinned["donate_argnums"] = self._roles.donate_argnums
-            if self._layout_of is not None:  # Fast-path jits check their layout when they trace.
-                wrapper = _checking_layout(wrapper, self._layout_of, layout, packed=kind == "packed")
-        jitted = self._jitted[key] = jax.jit(wrapper, **pinned)
+            if self._layout_key is not None:  # Fast-path jits check their layout when they trace.
+                wrapper = _checking_layout(wrapper, self._layout_key, layout, packed=kind == "packed")
+        jitted = self._jitted[key] = jax.jit(_announcing_inputs(wrapper, layout.inputs), **pinned)
         return jitted, True
 
     def check_donation(self, layout: _Layout, args: tuple[Any, ...]) -> None:
@@ -453,20 +465,48 @@ def _flat(tree: PyTree) -> Hashable:
 
 
 def _checking_layout(
-    wrapper: Callable[..., PyTree], layout_of: Callable[[PyTree], PyTree], layout: _Layout, *, packed: bool
+    wrapper: Callable[..., PyTree], layout_key: Callable[[PyTree], Hashable], layout: _Layout, *, packed: bool
 ) -> Callable[..., PyTree]:
     """`wrapper`, raising `LayoutChanged` when traced with arguments whose layout is not `layout`."""
-    expected = _flat(layout.inputs)
+    expected = layout.key
 
     def checked(*args: Any) -> PyTree:
         args_and_kwargs = (args[0], args[1]) if packed else (args, {})
-        if _flat(layout_of(args_and_kwargs)) != expected:
+        if layout_key(args_and_kwargs) != expected:
             raise LayoutChanged("The inputs' layout changed since this step was compiled.")
         return wrapper(*args)
 
     checked.__name__ = checked.__qualname__ = wrapper.__name__
     checked.__wrapped__ = wrapper.__wrapped__  # type: ignore[attr-defined]
     return checked
+
+
+# The input layout of the step being traced: set while jit traces a step's wrapper.
+_TRACED_INPUTS: contextvars.ContextVar[Any] = contextvars.ContextVar("traced_inputs", default=None)
+
+
+def traced_input_layout() -> Any:
+    """Where the inputs of the step being traced were placed: a sharding for every input, or a
+    tree of them shaped like `(args, kwargs)`; None outside a trace of `StepCache`'s steps.
+
+    A trace sees no placements (a tracer has none), so a program that lays its outputs out after
+    its inputs (ShardedStrategy's) reads them here."""
+    return _TRACED_INPUTS.get()
+
+
+def _announcing_inputs(wrapper: Callable[..., PyTree], inputs: Any) -> Callable[..., PyTree]:
+    """`wrapper`, making `inputs` the `traced_input_layout()` while it runs (when jit traces it)."""
+
+    def announcing(*args: Any) -> PyTree:
+        token = _TRACED_INPUTS.set(inputs)
+        try:
+            return wrapper(*args)
+        finally:
+            _TRACED_INPUTS.reset(token)
+
+    announcing.__name__ = announcing.__qualname__ = wrapper.__name__
+    announcing.__wrapped__ = getattr(wrapper, "__wrapped__", wrapper)  # type: ignore[attr-defined]
+    return announcing
 
 
 def weak_resolver(fn: StepFn) -> Callable[[], StepFn]:

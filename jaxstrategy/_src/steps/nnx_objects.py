@@ -73,6 +73,11 @@ def _is_variable(x: Any) -> bool:
     return known
 
 
+def is_variable(x: Any) -> bool:
+    """Whether `x` is a Flax NNX Variable (False while flax.nnx is not loaded)."""
+    return _nnx() is not None and _is_variable(x)
+
+
 def is_object(x: Any) -> bool:
     """Whether `x` is an NNX object (a Module, an Optimizer, `nnx.Rngs`; not a Variable)."""
     return _nnx() is not None and _is_object(x)

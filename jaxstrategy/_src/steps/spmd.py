@@ -62,6 +62,11 @@ def per_replica_program(
       replicas' values or, where it is the same on every replica, a replicated array.
     """
     stacked_spec, whole_spec = PartitionSpec(axis_name), PartitionSpec()
+    # On a mesh with other axes (ShardedStrategy's 'shard'), only the replica axis is manual:
+    # the compiler splits each replica's work over the others.
+    beside_others = len(mesh.axis_names) > 1
+    manual: dict[str, Any] = {"axis_names": frozenset({axis_name})} if beside_others else {}
+    one_replica_beside_others = beside_others and mesh.shape[axis_name] == 1
 
     def program(*args: Any, **kwargs: Any) -> PyTree:
         leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
@@ -94,16 +99,32 @@ def per_replica_program(
             # An output the jaxpr holds as a constant comes back as a Python scalar.
             return tuple(jnp.asarray(x)[None] for x in jaxpr_as_fun(traced_fn)(*blocks))
 
-        # `check_vma=False`: with JAX's replication types, a whole argument meeting a per-replica
-        # value gets an implicit `pvary`, whose transpose is a `psum`, so a replica's gradient
-        # with respect to a variable would come back summed over the replicas. Without them
-        # each replica differentiates its own function, as in TensorFlow.
-        stacked = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec, check_vma=False)(
-            *traced
-        )
+        if one_replica_beside_others:
+            # Bound by a vmap of one: a collective over a manual axis of size 1 beside a
+            # compiler-sharded one crashes XLA (measured, JAX 0.10.2).
+            def one_replica(*values: Any) -> tuple[Any, ...]:
+                blocks = [
+                    v[None] if per_replica else v
+                    for v, per_replica in zip(values, varying_inputs, strict=True)
+                ]
+                return tuple(x[0] for x in body(*blocks))
+
+            in_axes = tuple(0 if per_replica else None for per_replica in varying_inputs)
+            stacked = jax.vmap(one_replica, in_axes=in_axes, axis_name=axis_name, axis_size=1)(*traced)
+        else:
+            # `check_vma=False`: with JAX's replication types, a whole argument meeting a
+            # per-replica value gets an implicit `pvary`, whose transpose is a `psum`, so a
+            # replica's gradient with respect to a variable would come back summed over the
+            # replicas. Without them each replica differentiates its own function, as in
+            # TensorFlow.
+            stacked = jax.shard_map(
+                body, mesh=mesh, in_specs=in_specs, out_specs=stacked_spec, check_vma=False, **manual
+            )(*traced)
         varying = outputs["varying"]
         invariant: Sequence[Any] = [x for x, v in zip(stacked, varying, strict=True) if not v]
-        if invariant:
+        if invariant and one_replica_beside_others:
+            invariant = [x[0] for x in invariant]
+        elif invariant:
             # Each device keeps its own copy of a value shown to be the same everywhere.
             invariant = jax.shard_map(
                 lambda *xs: tuple(x[0] for x in xs),
@@ -111,6 +132,7 @@ def per_replica_program(
                 in_specs=stacked_spec,
                 out_specs=whole_spec,
                 check_vma=False,
+                **manual,
             )(*invariant)
         unstacked = iter(invariant)
         results = [PerReplica(x) if v else next(unstacked) for x, v in zip(stacked, varying, strict=True)]

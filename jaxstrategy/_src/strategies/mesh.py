@@ -72,9 +72,16 @@ class MeshStrategy(Strategy):
     and `run` work on the whole mesh and give every process the same replicated results.
     """
 
-    def __init__(self, devices: tuple[jax.Device, ...]):
+    def __init__(self, devices: tuple[jax.Device, ...], mesh: jax.sharding.Mesh | None = None):
+        """`devices` in replica order; `mesh`, when given, a mesh of them whose first axis is
+        `'replica'` (each replica then a row of devices); else one replica per device."""
         self._devices = devices
-        local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        self._mesh = mesh if mesh is not None else jax.sharding.Mesh(np.array(devices), (REPLICA_AXIS,))
+        self._num_replicas = self._mesh.shape[REPLICA_AXIS]
+        per_replica = len(devices) // self._num_replicas
+        groups = [devices[i * per_replica : (i + 1) * per_replica] for i in range(self._num_replicas)]
+        here = jax.process_index()
+        local = [i for i, group in enumerate(groups) if all(d.process_index == here for d in group)]
         if not local or local != list(range(local[0], local[-1] + 1)):
             raise InvalidDeviceError(
                 f"{type(self).__name__}: this process (process {jax.process_index()}) must hold one "
@@ -82,8 +89,8 @@ class MeshStrategy(Strategy):
                 "replicas. Order the devices process by process, and include this process's."
             )
         self._local_replica_ids = range(local[0], local[-1] + 1)
-        self._local_devices = tuple(devices[i] for i in local)
-        self._mesh = jax.sharding.Mesh(np.array(devices), (REPLICA_AXIS,))
+        # Each local replica's first device: where its values are read when it has several.
+        self._local_devices = tuple(groups[i][0] for i in local)
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
         self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
         self._combine = jax.jit(_combine, static_argnums=(0, 1, 2), out_shardings=self._sharding)
@@ -100,6 +107,11 @@ class MeshStrategy(Strategy):
 
     def __hash__(self) -> int:
         return hash((type(self), self._devices))
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas over which gradients are aggregated."""
+        return self._num_replicas
 
     @property
     def sharding(self) -> NamedSharding:
@@ -128,7 +140,7 @@ class MeshStrategy(Strategy):
         """
         check_replica_count(
             value,
-            len(self._devices),
+            self._num_replicas,
             caller=f"{type(self).__name__}.experimental_local_results()",
             describe=_describe_value_path,
         )
@@ -174,7 +186,7 @@ class MeshStrategy(Strategy):
         caller = f"{type(self).__name__}.experimental_distribute_values_from_function()"
         if not callable(value_fn):
             raise TypeError(f"{caller}: value_fn must be callable with a ValueContext; got {value_fn!r}.")
-        count = len(self._devices)
+        count = self._num_replicas
         replica_ids = self._local_replica_ids
         results = [value_fn(ValueContext(i, count)) for i in replica_ids]
         flat = [jax.tree_util.tree_flatten_with_path(result) for result in results]
@@ -220,7 +232,7 @@ class MeshStrategy(Strategy):
     def _batch_layout(self) -> ReplicaLayout:
         return ReplicaLayout(
             self._stacked_sharding,
-            num_replicas=len(self._devices),
+            num_replicas=self._num_replicas,
             stacked=True,
             local_replicas=self._local_replica_ids,
         )
@@ -245,7 +257,7 @@ class MeshStrategy(Strategy):
     ) -> jax.sharding.Sharding | PyTree:
         """Where the leaves of `tree` go: a `PerReplica` split over the replicas, the rest
         replicated. One sharding when `tree` holds no `PerReplica`, else a tree of them."""
-        check_replica_count(tree, len(self._devices), caller=caller, describe=describe or _describe_tree_path)
+        check_replica_count(tree, self._num_replicas, caller=caller, describe=describe or _describe_tree_path)
         leaves, treedef = jax.tree.flatten(tree, is_leaf=is_per_replica)
         stacked = [isinstance(leaf, PerReplica) for leaf in leaves]
         if not any(stacked):
@@ -267,7 +279,7 @@ class MeshStrategy(Strategy):
     def _combine_leaves(
         self, kind: str, op: ReduceOp | None, value: PyTree, axis: Any, *, caller: str
     ) -> PyTree:
-        check_replica_count(value, len(self._devices), caller=caller, describe=_describe_value_path)
+        check_replica_count(value, self._num_replicas, caller=caller, describe=_describe_value_path)
         leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
         # What each replica holds, for the checks: a PerReplica's component shape, else the leaf.
         views = [_component_view(leaf) if isinstance(leaf, PerReplica) else leaf for leaf in leaves]
@@ -283,7 +295,7 @@ class MeshStrategy(Strategy):
         # Onto this mesh first (a no-op for what is there already): `_combine` pins no inputs.
         shardings = [self._stacked_sharding if is_stacked else self._sharding for is_stacked in stacked]
         arrays = device_put_anywhere(arrays, shardings)
-        spec = (kind, op, len(self._devices))
+        spec = (kind, op, self._num_replicas)
         combined = self._combine(spec, tuple(map(tuple, axes)), stacked, arrays)
         return jax.tree.unflatten(treedef, combined)
 
@@ -354,11 +366,13 @@ class MeshStrategy(Strategy):
                     "PerReplica to the jitted function."
                 )
             return PerReplica(jax.lax.with_sharding_constraint(jnp.stack(parts), self._stacked_sharding))
+        return PerReplica(self._assemble_components(parts))
+
+    def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
+        """One array of the replicas' components, each already on its replica's device."""
+        shape = (self._num_replicas, *parts[0].shape)
         stacked_parts = [part[None] for part in parts]
-        shape = (len(self._devices), *parts[0].shape)
-        return PerReplica(
-            jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, stacked_parts)
-        )
+        return jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, stacked_parts)
 
 
 def _is_traced(leaf: Any) -> bool:

@@ -65,18 +65,20 @@ class MirroredStrategy(MeshStrategy):
                 "communicate. Leave it out.",
                 stacklevel=caller_stacklevel(),
             )
-        super().__init__(_resolve_devices(devices))
+        super().__init__(resolve_devices(devices, caller="MirroredStrategy"))
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={self._devices!r})"
 
 
-def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, ...]:
+def resolve_devices(devices: Sequence[DeviceLike] | None, *, caller: str) -> tuple[jax.Device, ...]:
+    """The devices a list names (every local device for None or an empty list), checked: each
+    exists, none twice, all of one kind. `caller` is the class to name in messages."""
     if devices is None or (isinstance(devices, list | tuple) and not devices):
         return tuple(jax.local_devices())
     if not isinstance(devices, list | tuple):
         raise TypeError(
-            f"MirroredStrategy(devices={devices!r}): expected a list or tuple of devices, such as "
+            f"{caller}(devices={devices!r}): expected a list or tuple of devices, such as "
             "['/gpu:0', '/gpu:1'], or None for all local devices; got a "
             f"{type(devices).__name__}. For one device, pass a one-element list."
         )
@@ -84,23 +86,22 @@ def _resolve_devices(devices: Sequence[DeviceLike] | None) -> tuple[jax.Device, 
     if missing:
         # OneDeviceStrategy(None) means the default device; in a list, None names no device.
         raise TypeError(
-            f"MirroredStrategy(devices={list(devices)!r}): {', '.join(missing)} is None, which names "
+            f"{caller}(devices={list(devices)!r}): {', '.join(missing)} is None, which names "
             "no device. List devices such as '/gpu:0', or pass devices=None for every local device."
         )
     resolved = tuple(
-        resolve_device(spec, caller="MirroredStrategy", argument=f"devices[{i}]")
-        for i, spec in enumerate(devices)
+        resolve_device(spec, caller=caller, argument=f"devices[{i}]") for i, spec in enumerate(devices)
     )
     repeated = sorted({repr(d) for d in resolved if resolved.count(d) > 1})
     if repeated:
         raise InvalidDeviceError(
-            f"MirroredStrategy(devices={list(devices)!r}): {', '.join(repeated)} is listed more than "
+            f"{caller}(devices={list(devices)!r}): {', '.join(repeated)} is listed more than "
             "once; each device holds one replica. List each device once."
         )
     platforms = sorted({d.platform for d in resolved})
     if len(platforms) > 1:
         raise InvalidDeviceError(
-            f"MirroredStrategy(devices={list(devices)!r}): the devices are of different kinds "
+            f"{caller}(devices={list(devices)!r}): the devices are of different kinds "
             f"({', '.join(platforms)}); one program runs on all replicas, so use devices of one kind."
         )
     return resolved

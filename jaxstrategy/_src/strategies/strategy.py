@@ -85,6 +85,7 @@ class Strategy(abc.ABC):
             caller=f"{type(self).__name__}.run()",
             in_flight_limit=self._run_in_flight_limit,
             admits=self._admits_fast_call,
+            layout_key=self._run_layout_key,
         )
         return self.__dict__.setdefault("_run_steps", steps)
 
@@ -119,9 +120,9 @@ class Strategy(abc.ABC):
     @functools.cached_property
     def _init_steps(self) -> StepCache:
         steps = StepCache(
-            in_shardings=self.sharding,
-            out_shardings=self.sharding,
-            program=self._cross_replica_program,
+            in_shardings=self._run_input_shardings if self._init_follows_layouts else self.sharding,
+            out_shardings=None if self._init_follows_layouts else self.sharding,
+            program=self._init_program,
             caller=f"{type(self).__name__}.init()",
             scalars_are_static=True,
         )
@@ -156,6 +157,22 @@ class Strategy(abc.ABC):
         of `tree`: one sharding for all, or a tree of them shaped like `tree`. `caller` and
         `describe` (a leaf's key path to its name) are for messages about bad leaves."""
         return self.sharding
+
+    @property
+    def _run_layout_key(self) -> Callable[[PyTree], Any] | None:
+        """What a step compiled for one input layout checks of another call's `(args, kwargs)`,
+        when `_run_input_shardings` depends on where arrays are; None: the layout itself."""
+        return None
+
+    @property
+    def _init_follows_layouts(self) -> bool:
+        """Whether `init` places its inputs as `run` does and its program lays its outputs out
+        (ShardedStrategy); else both go on `sharding`."""
+        return False
+
+    def _init_program(self, fn: StepFn) -> StepFn:
+        """What `init` compiles: `fn` in the cross-replica context."""
+        return self._cross_replica_program(fn)
 
     @property
     def _run_output_sharding(self) -> jax.sharding.Sharding | None:

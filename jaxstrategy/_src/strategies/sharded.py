@@ -1,0 +1,428 @@
+"""`ShardedStrategy`: per-replica code over models split across each replica's devices.
+
+The devices form a mesh `('replica', 'shard')` of R x S, both axes left to the compiler (Auto).
+Each replica is a row of S consecutive devices and holds the whole model, each large leaf split
+over its S devices (`values/layouts.py` decides how). `run` is `MeshStrategy`'s program with only
+the replica axis manual: inside `fn` every variable has its full shape and XLA gathers and
+reduces over `'shard'`, while `all_reduce`, `all_gather` and `replica_id_in_sync_group` act over
+the replicas, as on `MirroredStrategy`. This is TensorFlow's `TPUStrategy` with SPMD partitioning,
+on any backend; TensorFlow's DTensor-backed `MirroredStrategy` instead ran `fn` once, globally, and
+had no replica context.
+
+Layouts stay put: `put`, `init` and `run` place every leaf by the same rules, and an output of
+`run` or `init` that ends with an input's path and has its shape is laid out as that input, so a
+step returns its parameters and optimizer state where they were, and compiles once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxstrategy._src.core.device_spec import spans_processes
+from jaxstrategy._src.core.errors import format_argument_path
+from jaxstrategy._src.core.jax_compat import is_tracer
+from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
+from jaxstrategy._src.input.replica_batches import ReplicaLayout
+from jaxstrategy._src.steps import nnx_objects
+from jaxstrategy._src.steps.cache import traced_input_layout
+from jaxstrategy._src.steps.spmd import REPLICA_AXIS
+from jaxstrategy._src.strategies.mesh import MeshStrategy
+from jaxstrategy._src.strategies.mirrored import resolve_devices
+from jaxstrategy._src.values import contexts
+from jaxstrategy._src.values.layouts import (
+    DEFAULT_MIN_SHARD_BYTES,
+    SHARD_AXIS,
+    LayoutDescription,
+    LayoutRules,
+    LeafLayout,
+    declared_spec,
+    follow_spec,
+    path_string,
+)
+from jaxstrategy._src.values.per_replica import PerReplica, check_replica_count, is_per_replica
+
+
+class ShardedStrategy(MeshStrategy):
+    """Synchronous training of models bigger than one device: replicas of S devices each.
+
+    The devices are split into `num_replicas` groups of S consecutive devices. Each group is one
+    replica, as on `MirroredStrategy`: `run` calls `fn` once per replica, a `PerReplica` argument
+    gives each replica its part, `jax.grad` gives each replica its own gradient and
+    `get_replica_context().all_reduce` combines them across replicas. Within a replica, every
+    large leaf of the variables (parameters, optimizer state) is split over the S devices, so
+    each device holds about 1/S of the model; inside `fn` the leaves have their full shapes and
+    XLA moves what each operation needs. With S = 1 it behaves as `MirroredStrategy`.
+
+    How each leaf is split (see `describe_layout`): a Flax NNX Variable's own annotation
+    (`nnx.with_partitioning`) first; then the first of `layout`'s `(regex, spec)` rules whose
+    regex matches the leaf's path (keys joined by `/`, such as `dense/kernel`) or a trailing
+    part of it, so that the rule for a parameter also lays out its optimizer state; then, for
+    outputs of `run` and `init`, the layout of the input they replace; else the default: the
+    largest dimension that S divides, for leaves of at least `min_shard_bytes`. Specs name the
+    axis `'shard'` only.
+
+    Create big models with `init`, which compiles the initializer so that every leaf is made
+    already split; `put` splits a tree that is on the host.
+
+    Args:
+      devices: the devices, in any form `MirroredStrategy` accepts; None means every local
+        device. Their count must be a multiple of `num_replicas`.
+      num_replicas: R, how many replicas (groups of devices).
+      layout: `(regex, spec)` rules, such as `[('.*/kernel', PartitionSpec(None, 'shard'))]`.
+      min_shard_bytes: leaves smaller than this are replicated by the default rule (256 KiB, as
+        TensorFlow's `MinSizePartitioner`).
+
+    Raises:
+      ValueError: `num_replicas` does not divide the number of devices; a layout rule is
+        malformed (see `LayoutRules`); the devices span several processes (not supported yet).
+      InvalidDeviceError: as for `MirroredStrategy`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=0)
+      >>> strategy.num_replicas_in_sync, strategy.devices_per_replica
+      (1, 2)
+      >>> params = strategy.init(lambda: {'w': jnp.ones((4, 2)), 'b': jnp.zeros(2)})
+      >>> params['w'].sharding.spec, params['w'].addressable_shards[0].data.shape
+      (PartitionSpec('shard', None), (2, 2))
+      >>> def step(params, x):
+      ...     grads = jax.grad(lambda p: jnp.sum(x @ p['w'] + p['b']))(params)
+      ...     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+      >>> new = strategy.run(step, args=(params, jnp.ones((3, 4))))
+      >>> new['w'].sharding.spec, float(new['w'][0, 0])
+      (PartitionSpec('shard', None), 0.7)
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceLike] | None = None,
+        *,
+        num_replicas: int = 1,
+        layout: Sequence[tuple[str, Any]] | None = None,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+    ):
+        caller = "ShardedStrategy()"
+        resolved = resolve_devices(devices, caller="ShardedStrategy")
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"{caller}: num_replicas must be a positive int; got {num_replicas!r}.")
+        if len(resolved) % num_replicas:
+            divisors = [r for r in range(1, len(resolved) + 1) if len(resolved) % r == 0]
+            raise ValueError(
+                f"{caller}: num_replicas={num_replicas} does not divide the {len(resolved)} devices; "
+                "each replica is a group of equally many devices. Choose num_replicas among "
+                f"{divisors}, or pass devices= with a multiple of {num_replicas} devices."
+            )
+        if spans_processes(resolved):
+            raise ValueError(
+                f"{caller}: the devices span several processes, which ShardedStrategy does not "
+                "support yet; pass this process's devices (jax.local_devices()), or use "
+                "MultiWorkerMirroredStrategy across processes."
+            )
+        shards = len(resolved) // num_replicas
+        self._rules = LayoutRules(layout, shards=shards, min_shard_bytes=min_shard_bytes, caller=caller)
+        auto = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
+        grid = np.array(resolved, dtype=object).reshape(num_replicas, shards)
+        super().__init__(resolved, jax.sharding.Mesh(grid, (REPLICA_AXIS, SHARD_AXIS), axis_types=auto))
+        self._replica_meshes = tuple(jax.sharding.Mesh(np.array(row), (SHARD_AXIS,)) for row in grid)
+        self._split_stacked = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS, SHARD_AXIS))
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedStrategy(devices={self._devices!r}, num_replicas={self._num_replicas}, "
+            f"layout={list(self._rules.rules)!r}, min_shard_bytes={self._rules.min_shard_bytes})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    @property
+    def _key(self) -> Hashable:
+        return (self._devices, self._num_replicas, self._rules.rules, self._rules.min_shard_bytes)
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """Every device, replica by replica: replica i holds `devices[i*S:(i+1)*S]`."""
+        return self._devices
+
+    @property
+    def devices_per_replica(self) -> int:
+        """S, the devices each replica's variables are split over."""
+        return self._rules.shards
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The `jax.sharding.Mesh` of the devices, axes `('replica', 'shard')`, both Auto."""
+        return self._mesh
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """`NamedSharding(mesh, P())`: replicated on every device. Variables are laid out leaf by
+        leaf instead: see `layout_of`."""
+        return self._sharding
+
+    def layout_of(self, tree: PyTree) -> PyTree:
+        """The sharding of each leaf of `tree` (arrays, `jax.ShapeDtypeStruct`s, Flax NNX
+        Variables or objects) as `put` would place it: a tree of `NamedSharding`s shaped like
+        `tree` (an NNX object stands for its state, `nnx.state(obj)`).
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=64)
+          >>> layout = strategy.layout_of({'w': np.zeros((8, 6)), 'b': np.zeros(6)})
+          >>> layout['w'].spec, layout['b'].spec
+          (PartitionSpec('shard', None), PartitionSpec())
+        """
+        tree = _with_states(tree)
+        units, treedef = _units(tree)
+        leaves = [self._unit_layout(path, unit, "ShardedStrategy.layout_of()")[1] for path, unit in units]
+        return jax.tree.unflatten(treedef, leaves)
+
+    def describe_layout(self, tree: PyTree) -> LayoutDescription:
+        """A table of how `tree`'s leaves are laid out: path, shape, spec, bytes per device and
+        what decided it, with the total per device against the replicated total. It also lists
+        the layout rules that match no leaf.
+
+        Example:
+          >>> import numpy as np, jaxstrategy
+          >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=64)
+          >>> print(strategy.describe_layout({'w': np.zeros((8, 6), np.float32), 'b': np.zeros(6, np.float32)}))
+          path  shape          spec         per device  decided by
+          ----  -------------  -----------  ----------  ------------------------------------
+          b     float32[6]     ()           24 B        replicated: under min_shard_bytes (64 B)
+          w     float32[8, 6]  ('shard', None)  96 B        default: largest dimension 2 divides
+          per device: 120 B of 216 B replicated (56%), over 2 devices per replica
+        """
+        caller = "ShardedStrategy.describe_layout()"
+        tree = _with_states(tree)
+        units, _ = _units(tree)
+        rows = []
+        for path, unit in units:
+            if isinstance(unit, PerReplica):
+                continue
+            rows.append(self._leaf_layout(path, unit, caller))
+        unmatched = self._rules.unmatched_rules([path for path, _ in units])
+        return LayoutDescription(tuple(rows), self.devices_per_replica, tuple(unmatched))
+
+    # Hooks of Strategy and MeshStrategy.
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        return ReplicaLayout(
+            self._stacked_sharding,
+            num_replicas=self._num_replicas,
+            stacked=True,
+            local_replicas=self._local_replica_ids,
+            split_sharding=self._split_stacked if self.devices_per_replica > 1 else None,
+        )
+
+    @property
+    def _run_input_shardings(self) -> Callable[[PyTree], PyTree]:
+        return self._inputs_layout
+
+    @property
+    def _run_layout_key(self) -> Callable[[PyTree], Hashable]:
+        # Where an array already on the mesh is laid out, it stays (its sharding is its layout),
+        # which a trace cannot see: jit itself refuses a committed array laid out otherwise, and
+        # `run` then takes the slow path. What the trace must still check is which leaves are
+        # PerReplicas, which the tree's structure says.
+        return jax.tree.structure
+
+    @property
+    def _init_follows_layouts(self) -> bool:
+        return True
+
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        program = super()._replica_program(fn)
+
+        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
+            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs))
+
+        return laid_out
+
+    def _init_program(self, fn: StepFn) -> StepFn:
+        program = self._cross_replica_program(fn)
+
+        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
+            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs))
+
+        return laid_out
+
+    def _default_device_scope(self) -> Any:
+        # The mesh too, so that Flax's eager sharding (`nnx.with_partitioning`) finds it.
+        return _both(jax.default_device(self._local_devices[0]), jax.set_mesh(self._mesh))
+
+    def _shardings_for(
+        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
+    ) -> PyTree:
+        check_replica_count(tree, self._num_replicas, caller=caller, describe=describe or _describe_tree_path)
+        units, treedef = _units(tree)
+        self._rules.warn_unmatched([path for path, _ in units], caller)
+        return jax.tree.unflatten(treedef, [self._unit_layout(path, unit, caller)[1] for path, unit in units])
+
+    def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
+        if (
+            isinstance(leaf, PerReplica)
+            and isinstance(leaf.stacked, jax.Array)
+            and not is_tracer(leaf.stacked)
+        ):
+            stacked = leaf.stacked
+            if not self._on_mesh(stacked) or not _split_only_within(stacked, stacked_first=True):
+                stacked = jax.device_put(stacked, self._per_replica_sharding(stacked.shape[1:]))
+            return tuple(
+                self._part_on_replica(stacked, i, stacked_first=True) for i in self._local_replica_ids
+            )
+        if isinstance(leaf, jax.Array) and not is_tracer(leaf) and self._on_mesh(leaf):
+            if _split_only_within(leaf, stacked_first=False):
+                return tuple(
+                    self._part_on_replica(leaf, i, stacked_first=False) for i in self._local_replica_ids
+                )
+        return super()._local_copies(leaf)
+
+    def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
+        stacked = np.stack([np.asarray(part) for part in parts])
+        return jax.device_put(stacked, self._per_replica_sharding(stacked.shape[1:]))
+
+    # Helpers.
+
+    def _per_replica_sharding(self, component_shape: tuple[int, ...]) -> NamedSharding:
+        """Where a PerReplica's components go: each on its replica, split along its first axis
+        over the replica's devices when they divide it (a batch), else whole on each."""
+        s = self.devices_per_replica
+        split = s > 1 and len(component_shape) >= 1 and component_shape[0] % s == 0
+        return self._split_stacked if split else self._stacked_sharding
+
+    def _leaf_layout(
+        self, path: Sequence[Any], leaf: Any, caller: str, follows: tuple[PartitionSpec, str] | None = None
+    ) -> LeafLayout:
+        declared = None
+        if nnx_objects.is_variable(leaf):
+            declared = declared_spec(leaf, path_string(path), caller)
+            leaf = leaf.get_raw_value()
+        shape, dtype = _shape_and_dtype(leaf)
+        return self._rules.leaf(path, shape, dtype, declared=declared, follows=follows)
+
+    def _unit_layout(self, path: Sequence[Any], unit: Any, caller: str) -> tuple[Any, NamedSharding]:
+        if isinstance(unit, PerReplica):
+            stacked = unit.stacked
+            return unit, self._per_replica_sharding(tuple(np.shape(stacked))[1:])
+        return unit, NamedSharding(self._mesh, self._leaf_layout(path, unit, caller).spec)
+
+    def _inputs_layout(self, args_and_kwargs: PyTree) -> PyTree:
+        """Where `run` and `init` place their inputs: an array already on this mesh where it is,
+        anything else by the rules (a PerReplica split over the replicas)."""
+        caller = f"{type(self).__name__}.run()"
+        check_replica_count(args_and_kwargs, self._num_replicas, caller=caller, describe=format_argument_path)
+        units, treedef = _units(args_and_kwargs)
+        shardings = []
+        for path, unit in units:
+            array = unit.stacked if isinstance(unit, PerReplica) else unit
+            if isinstance(array, jax.Array) and not is_tracer(array) and self._on_mesh(array):
+                shardings.append(array.sharding)
+            elif isinstance(unit, PerReplica):
+                shardings.append(self._per_replica_sharding(tuple(np.shape(array))[1:]))
+            else:
+                shardings.append(NamedSharding(self._mesh, self._leaf_layout(path[2:], unit, caller).spec))
+        return jax.tree.unflatten(treedef, shardings)
+
+    def _lay_out_outputs(self, outputs: PyTree, inputs: PyTree) -> PyTree:
+        """`outputs` constrained to their layouts: each after the input it replaces, else by the
+        rules; a PerReplica split over the replicas."""
+        followed = self._traced_inputs(inputs)
+        caller = f"{type(self).__name__}.run()"
+        units, treedef = _units(outputs)
+        laid_out = []
+        for path, unit in units:
+            if isinstance(unit, PerReplica):
+                where = self._per_replica_sharding(tuple(unit.stacked.shape[1:]))
+                laid_out.append(PerReplica(jax.lax.with_sharding_constraint(unit.stacked, where)))
+                continue
+            shape = tuple(np.shape(unit))
+            spec = self._leaf_layout(path, unit, caller, follows=follow_spec(path, shape, followed)).spec
+            laid_out.append(jax.lax.with_sharding_constraint(unit, NamedSharding(self._mesh, spec)))
+        return jax.tree.unflatten(treedef, laid_out)
+
+    def _traced_inputs(self, inputs: PyTree) -> list[tuple[Sequence[Any], tuple[int, ...], PartitionSpec]]:
+        """The whole-array inputs of the step being traced: path (past the argument), shape and
+        the spec they were placed with."""
+        announced = traced_input_layout()
+        if announced is None:
+            return []
+        units, _ = _units(inputs)
+        if isinstance(announced, jax.sharding.Sharding):
+            shardings = [announced] * len(units)
+        else:
+            shardings = jax.tree.leaves(announced)
+            if len(shardings) != len(units):
+                return []
+        found = []
+        for (path, unit), sharding in zip(units, shardings, strict=True):
+            if isinstance(unit, PerReplica) or not hasattr(unit, "shape"):
+                continue
+            if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
+                found.append((path[2:], tuple(unit.shape), sharding.spec))
+        return found
+
+    def _part_on_replica(self, array: jax.Array, replica: int, *, stacked_first: bool) -> jax.Array:
+        """Replica `replica`'s part of `array` (its component when `stacked_first`, else its
+        copy), on that replica's devices, laid out as there."""
+        mesh = self._replica_meshes[replica]
+        spec = tuple(array.sharding.spec)
+        by_device = {shard.device: shard.data for shard in array.addressable_shards}
+        blocks = [by_device[d] for d in mesh.devices.flat]
+        if stacked_first:
+            spec = spec[1:]
+            blocks = [block.reshape(block.shape[1:]) for block in blocks]
+        shape = array.shape[1:] if stacked_first else array.shape
+        return jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(mesh, PartitionSpec(*spec)), blocks
+        )
+
+
+def _both(first: Any, second: Any) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(first)
+    stack.enter_context(second)
+    return stack
+
+
+def _split_only_within(array: jax.Array, *, stacked_first: bool) -> bool:
+    """Whether `array` (on a sharded strategy's mesh) is split over `'replica'` only along its
+    first axis when `stacked_first`, and not at all otherwise."""
+    spec = tuple(array.sharding.spec)
+    names = [
+        [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None] for entry in spec
+    ]
+    if stacked_first:
+        return bool(names) and names[0] == [REPLICA_AXIS] and all(REPLICA_AXIS not in n for n in names[1:])
+    return all(REPLICA_AXIS not in n for n in names)
+
+
+def _units(tree: PyTree) -> tuple[list[tuple[Any, Any]], Any]:
+    """`tree`'s leaves with their paths, a PerReplica or an NNX Variable counting as one."""
+    return jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, PerReplica) or nnx_objects.is_variable(x)
+    )
+
+
+def _with_states(tree: PyTree) -> PyTree:
+    found = nnx_objects.find_objects(tree)
+    return tree if found is None else nnx_objects.with_states(found)
+
+
+def _shape_and_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), leaf.dtype
+    return tuple(np.shape(leaf)), np.asarray(leaf).dtype
+
+
+def _describe_tree_path(path: Any) -> str:
+    return "tree" + jax.tree_util.keystr(tuple(path))

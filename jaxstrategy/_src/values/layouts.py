@@ -1,0 +1,424 @@
+"""Where each leaf of a sharded strategy's trees lives: a `PartitionSpec` over the `'shard'` axis.
+
+`ShardedStrategy` keeps every replica's model split over the replica's S devices. Which dimension
+of a leaf is split is decided, in this order, by:
+
+1. the leaf's own declaration: a Flax NNX Variable's sharding metadata (`nnx.with_partitioning`),
+   its logical names mapped through `nnx.logical_axis_rules`;
+2. the user's rules, `(regex, spec)` pairs as Keras's `LayoutMap`: a rule applies to a leaf when
+   its regex `fullmatch`es the leaf's path (keys joined by `/`, as `dense/kernel`) or a trailing
+   part of it made of whole keys, so that `dense/kernel` also decides the kernel inside
+   `(params, opt_state)` and Adam's moment `mu/dense/kernel`: optimizer state follows its
+   parameter. Two rules for one leaf are an error naming both;
+3. what the leaf follows: in `run` and `init`, an output whose path ends with an input's path
+   and has its shape is laid out as that input is, so a new parameter tree comes back where the
+   old one was, however that was decided;
+4. the default (big_vision's and TensorFlow's `MinSizePartitioner`'s rule): split the largest
+   dimension that S divides, for leaves of at least `min_shard_bytes`; smaller leaves and leaves
+   no dimension of which S divides are replicated (the latter, when large, with one warning).
+
+Nothing here is ever split over `'replica'`: each replica holds its whole model, split within.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
+
+# The mesh axis over which each replica's leaves are split.
+SHARD_AXIS = "shard"
+# TensorFlow's `MinSizePartitioner` default: below this a leaf is cheaper replicated than gathered.
+DEFAULT_MIN_SHARD_BYTES = 256 * 1024
+
+# How a rule's spec may be written: a PartitionSpec, or a tuple or list of its entries.
+SpecLike = PartitionSpec | Sequence[str | None | Sequence[str]]
+
+
+def path_string(path: Sequence[Any]) -> str:
+    """A key path as the rules see it: its keys joined by `/`, as `0/dense/kernel`."""
+    return "/".join(_key_name(key) for key in path)
+
+
+def _key_name(key: Any) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """How one leaf is laid out, and why.
+
+    Attributes:
+      path: the leaf's path, keys joined by `/`.
+      shape: its shape.
+      dtype: its dtype.
+      spec: its `PartitionSpec` within a replica (over `'shard'` only).
+      reason: what decided it, for `describe_layout`.
+      bytes_per_device: what one device holds of it.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: PartitionSpec
+    reason: str
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    source: str
+    pattern: re.Pattern[str]
+    spec: PartitionSpec
+
+
+class LayoutRules:
+    """The rules of one sharded strategy: how many shards, from what size, and the user's rules.
+
+    Args:
+      layout: the user's `(regex, spec)` pairs, or None.
+      shards: S, the devices per replica.
+      min_shard_bytes: leaves smaller than this are replicated by the default rule.
+      caller: the call to name in messages, such as `ShardedStrategy()`.
+
+    Raises:
+      TypeError: `layout` is not a sequence of `(regex, spec)` pairs.
+      ValueError: a regex does not compile, a spec names an axis other than `'shard'` or names it
+        twice, or `min_shard_bytes` is negative.
+    """
+
+    def __init__(self, layout: Any, *, shards: int, min_shard_bytes: int, caller: str):
+        if isinstance(min_shard_bytes, bool) or not isinstance(min_shard_bytes, int) or min_shard_bytes < 0:
+            raise ValueError(
+                f"{caller}: min_shard_bytes must be a non-negative int (bytes); got {min_shard_bytes!r}."
+            )
+        self.shards = shards
+        self.min_shard_bytes = min_shard_bytes
+        self._caller = caller
+        self._rules = tuple(_parse_rules(layout, caller))
+        self._warned: set[str] = set()
+
+    @property
+    def rules(self) -> tuple[tuple[str, PartitionSpec], ...]:
+        """The user's rules, as given (regex source, spec)."""
+        return tuple((rule.source, rule.spec) for rule in self._rules)
+
+    def leaf(
+        self,
+        path: Sequence[Any],
+        shape: tuple[int, ...],
+        dtype: Any,
+        *,
+        declared: tuple[PartitionSpec, str] | None = None,
+        follows: tuple[PartitionSpec, str] | None = None,
+    ) -> LeafLayout:
+        """The layout of the leaf at `path` (a key path) of this shape and dtype.
+
+        Args:
+          declared: the spec the leaf declares itself, and what declared it (an NNX Variable's
+            metadata).
+          follows: the spec of the input it follows, and that input's path (outputs of `run`
+            and `init`).
+
+        Raises:
+          ValueError: two rules match the leaf; a spec has more entries than the leaf has
+            dimensions, or splits a dimension that S does not divide.
+        """
+        name = path_string(path)
+        dtype = _as_dtype(dtype)
+        if declared is not None:
+            spec, reason = declared
+            self._check_fits(spec, name, shape, reason)
+        elif (rule := self._matching_rule(path, name)) is not None:
+            spec, reason = rule.spec, f"rule {rule.source!r}"
+            self._check_fits(spec, name, shape, reason)
+        elif follows is not None:
+            spec, reason = follows[0], f"follows {follows[1]}"
+        else:
+            spec, reason = self._default(name, shape, dtype)
+        return LeafLayout(
+            name, tuple(shape), dtype, spec, reason, _bytes_per_device(shape, dtype, spec, self.shards)
+        )
+
+    def unmatched_rules(self, paths: Sequence[Sequence[Any]]) -> list[str]:
+        """The sources of the rules that decide none of these leaves' paths."""
+        names = [path_string(path) for path in paths]
+        suffixes = [s for path, name in zip(paths, names, strict=True) for s in _suffixes(path, name)]
+        return [rule.source for rule in self._rules if not any(rule.pattern.fullmatch(s) for s in suffixes)]
+
+    def warn_unmatched(self, paths: Sequence[Sequence[Any]], caller: str) -> None:
+        """Warn, once per rule and strategy, about rules that decide none of a tree of variables."""
+        unmatched = [source for source in self.unmatched_rules(paths) if f"rule:{source}" not in self._warned]
+        if not unmatched:
+            return
+        self._warned.update(f"rule:{source}" for source in unmatched)
+        warnings.warn(
+            f"{caller}: the layout rule{'s' if len(unmatched) > 1 else ''} "
+            f"{', '.join(repr(s) for s in unmatched)} matched no leaf of the tree. A rule's regex must "
+            "match a leaf's whole path, or a trailing part of it made of whole keys (keys joined by "
+            "'/', as 'dense/kernel'); strategy.describe_layout(tree) shows the paths.",
+            stacklevel=caller_stacklevel(),
+        )
+
+    def _matching_rule(self, path: Sequence[Any], name: str) -> _Rule | None:
+        suffixes = _suffixes(path, name)
+        matching = [rule for rule in self._rules if any(rule.pattern.fullmatch(s) for s in suffixes)]
+        if len(matching) > 1:
+            raise ValueError(
+                f"{self._caller}: the leaf {name!r} matches more than one layout rule:"
+                f"{bullet_list(repr(rule.source) for rule in matching)}\nEach leaf must match one rule at "
+                "most; make the regexes more specific (they match the whole path, or trailing keys)."
+            )
+        return matching[0] if matching else None
+
+    def _check_fits(self, spec: PartitionSpec, name: str, shape: tuple[int, ...], reason: str) -> None:
+        if len(spec) > len(shape):
+            raise ValueError(
+                f"{self._caller}: the layout {spec} from {reason} has {len(spec)} entries, but the leaf "
+                f"{name!r} has shape {tuple(shape)} ({len(shape)} dimensions). Give a spec with at "
+                "most one entry per dimension."
+            )
+        for dimension, entry in enumerate(spec):
+            if entry is not None and shape[dimension] % self.shards:
+                raise ValueError(
+                    f"{self._caller}: the layout {spec} from {reason} splits dimension {dimension} "
+                    f"(of size {shape[dimension]}) of the leaf {name!r} over {self.shards} devices, "
+                    f"which does not divide it. Split a dimension that {self.shards} divides, or "
+                    "replicate the leaf (spec PartitionSpec())."
+                )
+
+    def _default(self, name: str, shape: tuple[int, ...], dtype: Any) -> tuple[PartitionSpec, str]:
+        size = math.prod(shape) * dtype.itemsize
+        if self.shards == 1:
+            return PartitionSpec(), "replicated: one device per replica"
+        if size < self.min_shard_bytes:
+            return (
+                PartitionSpec(),
+                f"replicated: under min_shard_bytes ({_format_bytes(self.min_shard_bytes)})",
+            )
+        # The largest dimension that S divides; the first of equal ones.
+        by_size = sorted(range(len(shape)), key=lambda d: -shape[d])
+        for dimension in by_size:
+            if shape[dimension] % self.shards == 0:
+                entries: list[str | None] = [None] * len(shape)
+                entries[dimension] = SHARD_AXIS
+                return PartitionSpec(*entries), f"default: largest dimension {self.shards} divides"
+        if shape and name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(
+                f"{self._caller}: the leaf {name!r} of shape {tuple(shape)} ({_format_bytes(size)}) is "
+                f"replicated on every device: no dimension of it divides over {self.shards} devices. "
+                "Pad it to a multiple, or give a layout rule that replicates it on purpose "
+                f"(({name!r}, PartitionSpec())) to silence this.",
+                stacklevel=caller_stacklevel(),
+            )
+        return PartitionSpec(), f"replicated: no dimension divides by {self.shards}"
+
+
+def _as_dtype(dtype: Any) -> Any:
+    """`dtype` as numpy's, but JAX's own (PRNG keys), which have an itemsize too."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
+def _suffixes(path: Sequence[Any], name: str) -> list[str]:
+    """The whole path and each trailing part of it made of whole keys."""
+    keys = [_key_name(key) for key in path]
+    return ["/".join(keys[i:]) for i in range(len(keys))] or [name]
+
+
+def _parse_rules(layout: Any, caller: str) -> list[_Rule]:
+    if layout is None:
+        return []
+    usage = "Pass a list of (regex, spec) pairs, such as [('dense.*/kernel', PartitionSpec(None, 'shard'))]."
+    if isinstance(layout, str | bytes | dict) or not isinstance(layout, Sequence):
+        raise TypeError(f"{caller}: layout must be a list of (regex, spec) pairs; got {layout!r}. {usage}")
+    rules = []
+    for i, pair in enumerate(layout):
+        if not isinstance(pair, tuple | list) or len(pair) != 2 or not isinstance(pair[0], str | re.Pattern):
+            raise TypeError(f"{caller}: layout[{i}] must be a (regex, spec) pair; got {pair!r}. {usage}")
+        source = pair[0] if isinstance(pair[0], str) else pair[0].pattern
+        try:
+            pattern = re.compile(source)
+        except re.error as error:
+            raise ValueError(f"{caller}: layout[{i}]'s regex {source!r} does not compile: {error}.") from None
+        rules.append(
+            _Rule(source, pattern, as_spec(pair[1], where=f"layout[{i}] ({source!r})", caller=caller))
+        )
+    return rules
+
+
+def as_spec(spec: Any, *, where: str, caller: str) -> PartitionSpec:
+    """`spec` (a PartitionSpec, or a tuple or list of its entries) as a PartitionSpec over
+    `'shard'` alone.
+
+    Raises:
+      TypeError: it is not a spec.
+      ValueError: it names another axis (`'replica'` included), or `'shard'` twice.
+    """
+    if isinstance(spec, PartitionSpec):
+        entries = tuple(spec)
+    elif isinstance(spec, tuple | list):
+        entries = tuple(spec)
+    elif spec is None:
+        entries = ()
+    else:
+        raise TypeError(
+            f"{caller}: the spec of {where} must be a PartitionSpec (or a tuple of its entries); "
+            f"got {spec!r}."
+        )
+    names = [
+        n
+        for entry in entries
+        for n in (entry if isinstance(entry, tuple | list) else (entry,))
+        if n is not None
+    ]
+    others = sorted({repr(n) for n in names if n != SHARD_AXIS})
+    if others:
+        hint = (
+            " Replicas always hold their whole model: shard within a replica, over 'shard'."
+            if "'replica'" in others
+            else ""
+        )
+        raise ValueError(
+            f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {', '.join(others)}; a "
+            f"ShardedStrategy's leaves are split over {SHARD_AXIS!r} only.{hint}"
+        )
+    if names.count(SHARD_AXIS) > 1:
+        raise ValueError(
+            f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {SHARD_AXIS!r} twice; "
+            "split one dimension."
+        )
+    return PartitionSpec(*entries)
+
+
+def _bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, shards: int) -> int:
+    size = math.prod(shape) * dtype.itemsize
+    return size // shards if any(entry is not None for entry in spec) else size
+
+
+def _format_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutDescription:
+    """What `ShardedStrategy.describe_layout` returns: one row per leaf, shown as a table.
+
+    Attributes:
+      rows: each leaf's `LeafLayout`, in the tree's order.
+      shards: the devices per replica.
+      unmatched_rules: the user's rules that decide no leaf of the tree.
+    """
+
+    rows: tuple[LeafLayout, ...]
+    shards: int
+    unmatched_rules: tuple[str, ...] = ()
+
+    @property
+    def bytes_per_device(self) -> int:
+        """What one device holds of the whole tree."""
+        return sum(row.bytes_per_device for row in self.rows)
+
+    @property
+    def replicated_bytes(self) -> int:
+        """What one device would hold were every leaf replicated (as on `MirroredStrategy`)."""
+        return sum(math.prod(row.shape) * row.dtype.itemsize for row in self.rows)
+
+    def __str__(self) -> str:
+        header = ("path", "shape", "spec", "per device", "decided by")
+        table = [header] + [
+            (
+                row.path or "(the tree)",
+                f"{row.dtype.name}{list(row.shape)}",
+                str(tuple(row.spec)) if len(row.spec) else "()",
+                _format_bytes(row.bytes_per_device),
+                row.reason,
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+            for line in table
+        ]
+        lines.insert(1, "  ".join("-" * width for width in widths))
+        replicated = self.replicated_bytes
+        share = self.bytes_per_device / replicated if replicated else 1.0
+        lines.append(
+            f"per device: {_format_bytes(self.bytes_per_device)} of {_format_bytes(replicated)} replicated "
+            f"({share:.0%}), over {self.shards} devices per replica"
+        )
+        lines += [f"rule {source!r} matched no leaf" for source in self.unmatched_rules]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def declared_spec(variable: Any, path: str, caller: str) -> tuple[PartitionSpec, str] | None:
+    """The spec a Flax NNX Variable declares (`nnx.with_partitioning`), logical names mapped
+    through `nnx.logical_axis_rules`; None when it declares none.
+
+    Raises:
+      ValueError: it names an axis that is neither `'shard'` nor mapped to it (or to None).
+    """
+    from flax.nnx import spmd  # The caller found Variables: flax is loaded.
+
+    metadata = variable.get_metadata()
+    if not metadata.get("out_sharding") and not metadata.get("sharding"):
+        return None
+    spec = spmd.get_var_pspec(variable)
+    if spec is None:
+        return None
+    names = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None}
+    unknown = sorted(names - {SHARD_AXIS})
+    if unknown:
+        raise ValueError(
+            f"{caller}: the Flax Variable {path!r} is annotated {tuple(spec)}, naming "
+            f"{', '.join(repr(n) for n in unknown)}, which is not an axis of this strategy's mesh "
+            f"(('replica', {SHARD_AXIS!r}); its leaves are split over {SHARD_AXIS!r} only). Map logical "
+            "names to it: with nnx.logical_axis_rules([(" + repr(unknown[0]) + ", 'shard'), ...]): "
+            "around the call, or annotate with 'shard' and None."
+        )
+    return spec, "Flax Variable annotation"
+
+
+def follow_spec(
+    path: Sequence[Any],
+    shape: tuple[int, ...],
+    inputs: Sequence[tuple[Sequence[Any], tuple[int, ...], PartitionSpec]],
+) -> tuple[PartitionSpec, str] | None:
+    """The spec of the input an output follows: the one with the longest path that the output's
+    path ends with, among those of the output's shape; None when none."""
+    keys = [_key_name(key) for key in path]
+    best: tuple[int, PartitionSpec, str] | None = None
+    for input_path, input_shape, spec in inputs:
+        if tuple(input_shape) != tuple(shape):
+            continue
+        input_keys = [_key_name(key) for key in input_path]
+        n = len(input_keys)
+        if n <= len(keys) and keys[len(keys) - n :] == input_keys and (best is None or n > best[0]):
+            best = (n, spec, "/".join(input_keys) or "an argument")
+    return None if best is None else (best[1], f"input {best[2]!r}")
+
+
+LayoutFunction = Callable[[Sequence[Any], jax.ShapeDtypeStruct], PartitionSpec]
