@@ -64,9 +64,25 @@ def first_local(strategy, value):
     return strategy.experimental_local_results(value)[0]
 
 
+def devices_per_replica(strategy) -> int:
+    """How many devices each replica has: one, but on `ShardedStrategy`."""
+    return len(strategy.devices) // strategy.num_replicas_in_sync
+
+
+def replica_devices(strategy, i: int) -> set:
+    """The devices of replica `i`: consecutive in `strategy.devices`."""
+    s = devices_per_replica(strategy)
+    return set(strategy.devices[i * s : (i + 1) * s])
+
+
 def local_replica_ids(strategy) -> list[int]:
     """The ids of the replicas whose devices belong to this process: all, with one process."""
-    return [i for i, d in enumerate(strategy.devices) if d.process_index == jax.process_index()]
+    s = devices_per_replica(strategy)
+    return [
+        i
+        for i in range(strategy.num_replicas_in_sync)
+        if strategy.devices[i * s].process_index == jax.process_index()
+    ]
 
 
 def has_replica_values(strategy) -> bool:
@@ -538,7 +554,7 @@ class StrategyConformance:
         assert {c.num_replicas_in_sync for c in contexts} == {strategy_under_test.num_replicas_in_sync}
         assert [float(v) for v in local] == [float(i) for i in ids]
         for value, i in zip(local, ids, strict=True):
-            assert value.devices() == {strategy_under_test.devices[i]} and value.committed
+            assert value.devices() == replica_devices(strategy_under_test, i) and value.committed
 
     def test_values_from_function_rejects_a_non_callable(self, strategy_under_test):
         with pytest.raises(TypeError, match=r"value_fn must be callable with a ValueContext; got 1"):
@@ -560,7 +576,10 @@ class StrategyConformance:
             assert jaxstrategy.has_strategy() and jaxstrategy.in_cross_replica_context()
             assert jaxstrategy.get_replica_context() is None
             created = jnp.zeros(3)
-        assert created.devices() == {strategy_under_test.devices[local_replica_ids(strategy_under_test)[0]]}
+        first = local_replica_ids(strategy_under_test)[0]
+        assert created.devices() == {
+            strategy_under_test.devices[first * devices_per_replica(strategy_under_test)]
+        }
         assert not jaxstrategy.has_strategy()
 
     def test_one_scope_object_can_be_entered_again_and_nested(self, strategy_under_test):
@@ -611,16 +630,18 @@ class StrategyConformance:
 
     def test_distributed_dataset_is_re_iterable_and_on_the_strategy(self, strategy_under_test):
         n = strategy_under_test.num_replicas_in_sync
-        batches = [np.arange(i, i + 2 * n) for i in range(0, 10 * n, 2 * n)]
+        # Two examples per device of each replica.
+        size = 2 * devices_per_replica(strategy_under_test)
+        batches = [np.arange(i, i + size * n) for i in range(0, 5 * size * n, size * n)]
         dataset = strategy_under_test.experimental_distribute_dataset(batches)
         ids = local_replica_ids(strategy_under_test)
         # Each process holds its replicas' parts of every batch (all of it, with one process).
-        expected = [b.reshape(n, 2)[ids].reshape(-1).tolist() for b in batches]
+        expected = [b.reshape(n, size)[ids].reshape(-1).tolist() for b in batches]
         for _ in range(2):
             seen = []
             for batch in dataset:
                 for i, local in zip(ids, strategy_under_test.experimental_local_results(batch), strict=True):
-                    assert local.committed and local.devices() == {strategy_under_test.devices[i]}
+                    assert local.committed and local.devices() == replica_devices(strategy_under_test, i)
                 seen.append(
                     np.concatenate(
                         [np.asarray(v) for v in strategy_under_test.experimental_local_results(batch)]
@@ -630,9 +651,7 @@ class StrategyConformance:
 
     def test_get_next_past_the_end(self, strategy_under_test):
         iterator = iter(
-            strategy_under_test.experimental_distribute_dataset(
-                [np.zeros(strategy_under_test.num_replicas_in_sync)]
-            )
+            strategy_under_test.experimental_distribute_dataset([np.zeros(len(strategy_under_test.devices))])
         )
         iterator.get_next()
         with pytest.raises(jaxstrategy.OutOfRangeError, match="End of sequence"):
@@ -642,9 +661,7 @@ class StrategyConformance:
 
     def test_get_next_as_optional(self, strategy_under_test):
         iterator = iter(
-            strategy_under_test.experimental_distribute_dataset(
-                [np.ones(strategy_under_test.num_replicas_in_sync)]
-            )
+            strategy_under_test.experimental_distribute_dataset([np.ones(len(strategy_under_test.devices))])
         )
         optional = iterator.get_next_as_optional()
         assert optional.has_value()
@@ -656,7 +673,7 @@ class StrategyConformance:
 
     def test_fetch_to_device_false_yields_host_arrays(self, strategy_under_test):
         options = jaxstrategy.InputOptions(experimental_fetch_to_device=False)
-        batches = [np.ones(2 * strategy_under_test.num_replicas_in_sync)]
+        batches = [np.ones(2 * len(strategy_under_test.devices))]
         if is_multi_process(strategy_under_test):
             with pytest.raises(
                 NotImplementedError,
@@ -701,16 +718,17 @@ class StrategyConformance:
         self, strategy_under_test
     ):
         n = strategy_under_test.num_replicas_in_sync
+        size = 2 * devices_per_replica(strategy_under_test)
         with pytest.warns(
             DeprecationWarning,
             match=r"experimental_distribute_datasets_from_function\(\) is deprecated, as in TensorFlow: call distribute_datasets_from_function\(\)",
         ):
             dataset = strategy_under_test.experimental_distribute_datasets_from_function(
-                lambda context: [np.ones(2)] * n
+                lambda context: [np.ones(size)] * n
             )
         assert [
             np.shape(part) for part in strategy_under_test.experimental_local_results(next(iter(dataset)))
-        ][0] == (2,)
+        ][0] == (size,)
 
     def test_next_inside_run_is_an_error(self, strategy_under_test):
         n = strategy_under_test.num_replicas_in_sync
@@ -806,9 +824,12 @@ class StrategyConformance:
         assert_tree_on_strategy(restored, strategy_under_test)
 
     def test_extended_and_basic_attributes(self, strategy_under_test):
-        assert strategy_under_test.num_replicas_in_sync == len(strategy_under_test.devices)
+        assert strategy_under_test.num_replicas_in_sync * devices_per_replica(strategy_under_test) == len(
+            strategy_under_test.devices
+        )
         extended = strategy_under_test.extended
-        assert len(extended.worker_devices) == len(local_replica_ids(strategy_under_test))
+        local_devices = len(local_replica_ids(strategy_under_test)) * devices_per_replica(strategy_under_test)
+        assert len(extended.worker_devices) == local_devices
         assert extended.parameter_devices == extended.worker_devices
         assert all(name.startswith("/job:") for name in extended.worker_devices)
 

@@ -16,7 +16,6 @@ step returns its parameters and optimizer state where they were, and compiles on
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -256,10 +255,6 @@ class ShardedStrategy(MeshStrategy):
 
         return laid_out
 
-    def _default_device_scope(self) -> Any:
-        # The mesh too, so that Flax's eager sharding (`nnx.with_partitioning`) finds it.
-        return _both(jax.default_device(self._local_devices[0]), jax.set_mesh(self._mesh))
-
     def _shardings_for(
         self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
     ) -> PyTree:
@@ -290,6 +285,13 @@ class ShardedStrategy(MeshStrategy):
     def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
         stacked = np.stack([np.asarray(part) for part in parts])
         return jax.device_put(stacked, self._per_replica_sharding(stacked.shape[1:]))
+
+    def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
+        return (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh == self._mesh
+            and _split_only_within_spec(tuple(sharding.spec), stacked_first=False)
+        )
 
     # Helpers.
 
@@ -387,17 +389,13 @@ class ShardedStrategy(MeshStrategy):
         )
 
 
-def _both(first: Any, second: Any) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    stack.enter_context(first)
-    stack.enter_context(second)
-    return stack
-
-
 def _split_only_within(array: jax.Array, *, stacked_first: bool) -> bool:
     """Whether `array` (on a sharded strategy's mesh) is split over `'replica'` only along its
     first axis when `stacked_first`, and not at all otherwise."""
-    spec = tuple(array.sharding.spec)
+    return _split_only_within_spec(tuple(array.sharding.spec), stacked_first=stacked_first)
+
+
+def _split_only_within_spec(spec: tuple[Any, ...], *, stacked_first: bool) -> bool:
     names = [
         [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None] for entry in spec
     ]

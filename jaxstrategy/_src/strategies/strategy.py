@@ -158,6 +158,11 @@ class Strategy(abc.ABC):
         `describe` (a leaf's key path to its name) are for messages about bad leaves."""
         return self.sharding
 
+    def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
+        """Whether an array of `ndim` dimensions laid out by `sharding` is placed as this
+        strategy places variables."""
+        return sharding.is_equivalent_to(self.sharding, ndim)
+
     @property
     def _run_layout_key(self) -> Callable[[PyTree], Any] | None:
         """What a step compiled for one input layout checks of another call's `(args, kwargs)`,

@@ -13,8 +13,9 @@ from jaxstrategy._src.strategies.strategy import Strategy
 def assert_tree_on_strategy(tree: PyTree, strategy: Strategy, *, committed: bool = True) -> None:
     """Assert that every leaf of `tree` is a jax array placed as `strategy` places variables.
 
-    A leaf passes when it lives on exactly the strategy's devices with the strategy's sharding,
-    or, on a strategy with several devices, replicated over all of them (which
+    A leaf passes when it lives on exactly the strategy's devices with the strategy's sharding
+    (on `ShardedStrategy`: split over the `'shard'` axis of its mesh, or not at all), or, on a
+    strategy with several devices, replicated over all of them (which
     `chex.assert_tree_is_on_device` rejects), and, with `committed=True`, is committed (which chex
     does not check). Every bad leaf is reported by its path in one AssertionError.
 
@@ -51,7 +52,7 @@ def assert_tree_on_strategy(tree: PyTree, strategy: Strategy, *, committed: bool
             )
             continue
         replicated = len(expected_devices) > 1 and leaf.sharding.is_fully_replicated
-        if not replicated and not leaf.sharding.is_equivalent_to(strategy.sharding, leaf.ndim):
+        if not replicated and not strategy._holds_variables_with(leaf.sharding, leaf.ndim):
             problems.append(f"{where} has sharding {leaf.sharding}, not {strategy.sharding}")
         elif committed and not leaf.committed:
             problems.append(f"{where} is not committed (pass committed=False to allow that)")
