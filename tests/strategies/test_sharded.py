@@ -240,3 +240,102 @@ def test_nnx_batch_norm_over_the_replica_axis(sharded_on_every_shape):
     expected(jnp.asarray(data))
     np.testing.assert_allclose(np.asarray(model.mean[...]), np.asarray(expected.mean[...]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.var[...]), np.asarray(expected.var[...]), rtol=1e-5)
+
+
+# --- what ShardedStrategy refuses, and layouts from NNX annotations --------------------------
+
+
+def test_num_replicas_must_divide_the_devices(cpu_devices):
+    with pytest.raises(
+        ValueError, match=r"num_replicas=3 does not divide the 4 devices; .* among \[1, 2, 4\]"
+    ):
+        ShardedStrategy(cpu_devices[:4], num_replicas=3)
+    with pytest.raises(ValueError, match=r"num_replicas must be a positive int; got 0"):
+        ShardedStrategy(cpu_devices[:4], num_replicas=0)
+
+
+def test_a_bad_device_list_is_refused_naming_sharded_strategy():
+    with pytest.raises(TypeError, match=r"ShardedStrategy\(devices='/cpu:0'\): expected a list or tuple"):
+        ShardedStrategy("/cpu:0")
+
+
+def test_a_batch_the_replicas_devices_do_not_divide_is_an_error(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    dataset = strategy.experimental_distribute_dataset([np.ones((6, 3), np.float32)])
+    with pytest.raises(
+        ValueError,
+        match=r"a batch of 6 examples, which does not split evenly over 2 replicas of 2 devices each.*multiple of 4",
+    ):
+        next(iter(dataset))
+    padded = strategy.experimental_distribute_dataset(
+        [np.ones((6, 3), np.float32)], jaxstrategy.InputOptions(partial_batch="pad")
+    )
+    batch, mask = next(iter(padded))
+    assert [part.shape for part in strategy.experimental_local_results(batch)] == [(4, 3), (4, 3)]
+    assert int(np.asarray(mask.stacked).sum()) == 6
+
+
+def test_per_replica_parts_built_by_a_function_must_divide_too(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    dataset = strategy.distribute_datasets_from_function(lambda context: [np.ones((3, 2), np.float32)] * 2)
+    with pytest.raises(
+        ValueError,
+        match=r"split over the replica's 2 devices along its first axis, which 2 must divide; got parts float32\[3, 2\]",
+    ):
+        next(iter(dataset))
+
+
+def test_describe_layout_names_what_decided_each_leaf(cpu_devices):
+    strategy = ShardedStrategy(
+        cpu_devices[:4], layout=[("dense2/kernel", P()), ("typo", P())], min_shard_bytes=64
+    )
+    table = strategy.describe_layout(_mlp_params())
+    reasons = {row.path: row.reason for row in table.rows}
+    assert reasons == {
+        "dense1/bias": "default: largest dimension 4 divides",
+        "dense1/kernel": "default: largest dimension 4 divides",
+        "dense2/bias": "replicated: under min_shard_bytes (64 B)",
+        "dense2/kernel": "rule 'dense2/kernel'",
+    }
+    assert table.unmatched_rules == ("typo",)
+    assert "rule 'typo' matched no leaf" in str(table)
+    with pytest.warns(UserWarning, match=r"the layout rule 'typo' matched no leaf"):
+        strategy.put(_mlp_params())
+
+
+def test_nnx_annotations_decide_the_layout_through_logical_rules(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2, min_shard_bytes=0)
+    with jax.set_mesh(strategy.mesh), nnx.logical_axis_rules([("hidden", "shard")]):
+        model = nnx.Linear(
+            8,
+            6,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("hidden", None)),
+            rngs=nnx.Rngs(0),
+        )
+    # Logical names mean nothing without their rules: each call that lays the model out needs them.
+    with pytest.raises(
+        ValueError,
+        match=r"annotated \('hidden', None\), naming 'hidden'.*logical_axis_rules\(\[\('hidden', 'shard'\)",
+    ):
+        strategy.put(model)
+    with nnx.logical_axis_rules([("hidden", "shard")]):
+        rows = {row.path: row for row in strategy.describe_layout(nnx.state(model)).rows}
+        assert rows["kernel"].reason == "Flax Variable annotation" and rows["kernel"].spec == P("shard", None)
+        strategy.put(model)
+    assert model.kernel[...].sharding.spec == P("shard", None)
+
+
+def test_an_nnx_annotation_off_the_mesh_is_an_error_naming_the_variable(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    with jax.set_mesh(jax.sharding.Mesh(np.array(cpu_devices[:4]).reshape(2, 2), ("data", "model"))):
+        model = nnx.Linear(
+            8,
+            6,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
+            rngs=nnx.Rngs(0),
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"the Flax Variable '0/0/kernel' is annotated \(None, 'model'\), naming 'model'.*nnx.logical_axis_rules",
+    ):
+        strategy.put(model)

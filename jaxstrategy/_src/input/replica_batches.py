@@ -263,7 +263,8 @@ class ReplicaBatcher:
         raise ValueError(
             f"{self._caller}: got {what}. Every replica runs the same program on the same shapes, so "
             f"each step needs equal parts for all {self._n} replicas. Make the batch size a multiple "
-            f"of {self._n * self._part_multiple} and drop the remainder in the source (as drop_remainder=True does), or "
+            f"of {self._n * self._part_multiple} and drop the remainder in the source (as "
+            "drop_remainder=True does), or "
             "pass InputOptions(partial_batch='drop') to skip such batches with a warning, or "
             "partial_batch='pad' to pad them with zeros and get a mask of the real examples."
         )

@@ -33,7 +33,6 @@ from jaxstrategy._src.steps.cache import traced_input_layout
 from jaxstrategy._src.steps.spmd import REPLICA_AXIS
 from jaxstrategy._src.strategies.mesh import MeshStrategy
 from jaxstrategy._src.strategies.mirrored import resolve_devices
-from jaxstrategy._src.values import contexts
 from jaxstrategy._src.values.layouts import (
     DEFAULT_MIN_SHARD_BYTES,
     SHARD_AXIS,
@@ -44,7 +43,7 @@ from jaxstrategy._src.values.layouts import (
     follow_spec,
     path_string,
 )
-from jaxstrategy._src.values.per_replica import PerReplica, check_replica_count, is_per_replica
+from jaxstrategy._src.values.per_replica import PerReplica, check_replica_count
 
 
 class ShardedStrategy(MeshStrategy):
@@ -88,14 +87,14 @@ class ShardedStrategy(MeshStrategy):
       >>> strategy.num_replicas_in_sync, strategy.devices_per_replica
       (1, 2)
       >>> params = strategy.init(lambda: {'w': jnp.ones((4, 2)), 'b': jnp.zeros(2)})
-      >>> params['w'].sharding.spec, params['w'].addressable_shards[0].data.shape
-      (PartitionSpec('shard', None), (2, 2))
+      >>> [shard.data.shape for shard in params['w'].addressable_shards]  # Half of w each.
+      [(2, 2), (2, 2)]
       >>> def step(params, x):
       ...     grads = jax.grad(lambda p: jnp.sum(x @ p['w'] + p['b']))(params)
       ...     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
       >>> new = strategy.run(step, args=(params, jnp.ones((3, 4))))
-      >>> new['w'].sharding.spec, float(new['w'][0, 0])
-      (PartitionSpec('shard', None), 0.7)
+      >>> [shard.data.shape for shard in new['w'].addressable_shards], round(float(new['w'][0, 0]), 4)
+      ([(2, 2), (2, 2)], 0.7)
     """
 
     def __init__(
@@ -177,8 +176,8 @@ class ShardedStrategy(MeshStrategy):
           >>> import numpy as np, jaxstrategy
           >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=64)
           >>> layout = strategy.layout_of({'w': np.zeros((8, 6)), 'b': np.zeros(6)})
-          >>> layout['w'].spec, layout['b'].spec
-          (PartitionSpec('shard', None), PartitionSpec())
+          >>> tuple(layout['w'].spec), tuple(layout['b'].spec)
+          (('shard', None), ())
         """
         tree = _with_states(tree)
         units, treedef = _units(tree)
@@ -193,10 +192,11 @@ class ShardedStrategy(MeshStrategy):
         Example:
           >>> import numpy as np, jaxstrategy
           >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=64)
-          >>> print(strategy.describe_layout({'w': np.zeros((8, 6), np.float32), 'b': np.zeros(6, np.float32)}))
-          path  shape          spec         per device  decided by
-          ----  -------------  -----------  ----------  ------------------------------------
-          b     float32[6]     ()           24 B        replicated: under min_shard_bytes (64 B)
+          >>> params = {'w': np.zeros((8, 6), np.float32), 'b': np.zeros(6, np.float32)}
+          >>> print(strategy.describe_layout(params))
+          path  shape          spec             per device  decided by
+          ----  -------------  ---------------  ----------  ----------------------------------------
+          b     float32[6]     ()               24 B        replicated: under min_shard_bytes (64 B)
           w     float32[8, 6]  ('shard', None)  96 B        default: largest dimension 2 divides
           per device: 120 B of 216 B replicated (56%), over 2 devices per replica
         """
@@ -377,7 +377,7 @@ class ShardedStrategy(MeshStrategy):
         """Replica `replica`'s part of `array` (its component when `stacked_first`, else its
         copy), on that replica's devices, laid out as there."""
         mesh = self._replica_meshes[replica]
-        spec = tuple(array.sharding.spec)
+        spec = tuple(_spec(array))
         by_device = {shard.device: shard.data for shard in array.addressable_shards}
         blocks = [by_device[d] for d in mesh.devices.flat]
         if stacked_first:
@@ -392,7 +392,14 @@ class ShardedStrategy(MeshStrategy):
 def _split_only_within(array: jax.Array, *, stacked_first: bool) -> bool:
     """Whether `array` (on a sharded strategy's mesh) is split over `'replica'` only along its
     first axis when `stacked_first`, and not at all otherwise."""
-    return _split_only_within_spec(tuple(array.sharding.spec), stacked_first=stacked_first)
+    return _split_only_within_spec(tuple(_spec(array)), stacked_first=stacked_first)
+
+
+def _spec(array: jax.Array) -> PartitionSpec:
+    """The spec of an array on a mesh (`_on_mesh` said so: its sharding is a NamedSharding)."""
+    sharding = array.sharding
+    assert isinstance(sharding, NamedSharding)
+    return sharding.spec
 
 
 def _split_only_within_spec(spec: tuple[Any, ...], *, stacked_first: bool) -> bool:

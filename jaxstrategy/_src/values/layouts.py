@@ -178,7 +178,7 @@ class LayoutRules:
         if len(matching) > 1:
             raise ValueError(
                 f"{self._caller}: the leaf {name!r} matches more than one layout rule:"
-                f"{bullet_list(repr(rule.source) for rule in matching)}\nEach leaf must match one rule at "
+                f"{bullet_list([repr(rule.source) for rule in matching])}\nEach leaf must match one rule at "
                 "most; make the regexes more specific (they match the whole path, or trailing keys)."
             )
         return matching[0] if matching else None
