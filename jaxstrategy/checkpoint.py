@@ -2,7 +2,8 @@
 
 `save` / `restore` for one checkpoint; `Checkpointer` for a training loop (saves in the
 background, keeps the newest steps). Restoring reads every leaf directly onto the target
-strategy's sharding, whatever strategy saved it, and checks every array shard and JSON item
+strategy, whatever strategy saved it (onto its sharding, or on `ShardedStrategy` onto each leaf's
+own layout, `strategy.layout_of`), and checks every array shard and JSON item
 against the CRC32C saved with it. A save locks its directory until it is on disk, so that a
 second writer is refused (`CheckpointLockedError`) rather than losing saves. A `DistributedIterator`
 in the tree saves and restores its position. `PreemptionHandler` saves a training loop when the

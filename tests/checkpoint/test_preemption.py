@@ -1,9 +1,10 @@
 """PreemptionHandler: SIGTERM mid-training, a save, exit status 42, and a restart that resumes
 exactly: the losses of the two runs, concatenated, equal an uninterrupted run's bit for bit.
 
-The proof runs on one device, on MirroredStrategy over four devices (in this process, the restart
-being a new handler, dataset and iterator), and as a job of two processes on 127.0.0.1 (three
-real jobs: uninterrupted, killed, restarted). The step at which SIGTERM comes is random; its seed
+The proof runs on one device, on MirroredStrategy over four devices, on ShardedStrategy of two
+replicas of two devices (in this process, the restart being a new handler, dataset and
+iterator), and as a job of two processes on 127.0.0.1 (three real jobs: uninterrupted, killed,
+restarted). The step at which SIGTERM comes is random; its seed
 is in every failure message (set JAXSTRATEGY_PREEMPTION_SEED to replay one).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec
 from preemption_worker import train
 
 import jaxstrategy
@@ -60,8 +62,16 @@ def _losses(strategy, directory, *, stateful, kill_at=None):
     [
         (jaxstrategy.OneDeviceStrategy, False),
         (jaxstrategy.MirroredStrategy, True),
+        # Two replicas of two devices, w split over each replica's two; b, which two does not
+        # divide, replicated on purpose. (The stateful source counts one replica per device.)
+        (
+            lambda: jaxstrategy.ShardedStrategy(
+                num_replicas=2, min_shard_bytes=0, layout=[("b", PartitionSpec())]
+            ),
+            False,
+        ),
     ],
-    ids=["one-device, list source", "mirrored-4, stateful source"],
+    ids=["one-device, list source", "mirrored-4, stateful source", "sharded-2x2, list source"],
 )
 def test_sigterm_then_restart_trains_bit_for_bit_as_without(tmp_path, caplog, make_strategy, stateful):
     strategy = make_strategy()

@@ -1,4 +1,4 @@
-"""Save and restore variable pytrees with orbax, restoring straight onto any strategy's sharding.
+"""Save and restore variable pytrees with orbax, restoring straight onto any strategy's layout.
 
 A checkpoint directory holds one subdirectory per step, written by orbax's `CheckpointManager`:
 orbax writes a step into a temporary directory and renames it when complete, so a process killed
@@ -10,8 +10,9 @@ Only a step directory holding the required items counts as a step: orbax lists s
 alone, so a stray empty `5/` would otherwise become the newest step, to restore from and to
 count against `max_to_keep`. Such directories are skipped with a warning.
 
-Restoring reads every array directly onto the target strategy's sharding, whatever strategy
-saved it, as `restore.py` describes; this module finds the step to read.
+Restoring reads every array directly onto the target strategy, whatever strategy saved it, as
+`restore.py` describes: onto its sharding, or on `ShardedStrategy` each leaf onto its own layout
+(`placement.py`); this module finds the step to read.
 
 `save` refuses a tree two of whose leaves would be stored under one name (orbax joins keys with
 '.', the JSON maps with '/', so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice), rather than
@@ -54,6 +55,7 @@ from jaxstrategy._src.checkpoint.format import (
     check_step,
     is_complete,
 )
+from jaxstrategy._src.checkpoint.placement import placement_of
 from jaxstrategy._src.checkpoint.restore import (
     plain_orbax_item,
     plain_orbax_items,
@@ -297,12 +299,14 @@ class Checkpointer:
     ) -> PyTree:
         """Restore `step` (the newest when None) onto `strategy` (the current one when None).
 
-        Every leaf is read directly onto the strategy's sharding, committed. With a `target` (a
-        pytree of arrays or `jax.ShapeDtypeStruct`s, such as an nnx state or an optax state, or
-        Flax NNX objects, which get their state in place and come back themselves), the result
-        has the target's structure, and every difference in paths, shapes or dtypes is
-        reported at once, before anything is read; without one, the saved structure comes back as
-        nested dicts and lists.
+        Every leaf is read directly onto the strategy, committed: onto its `sharding`, or on a
+        `ShardedStrategy` onto the leaf's layout, `strategy.layout_of` of the target's leaf at its
+        path (of the saved leaf without a target), each device reading only its part, so that a
+        model bigger than one device restores. With a `target` (a pytree of arrays or
+        `jax.ShapeDtypeStruct`s, such as an nnx state or an optax state, or Flax NNX objects,
+        which get their state in place and come back themselves), the result has the target's
+        structure, and every difference in paths, shapes or dtypes is reported at once, before
+        anything is read; without one, the saved structure comes back as nested dicts and lists.
 
         The newest step is the newest complete one: step directories that hold no complete
         checkpoint are skipped with a warning (UserWarning); asking for one by `step` is an error.
@@ -364,9 +368,9 @@ class Checkpointer:
             )
         found = nnx_objects.find_objects(target)
         if found is None:
-            return read(strategy.sharding, target)
+            return read(placement_of(strategy), target)
         # Flax NNX objects in the target get the restored state, in place.
-        restored = read(strategy.sharding, nnx_objects.with_states(found))
+        restored = read(placement_of(strategy), nnx_objects.with_states(found))
         return nnx_objects.update_from_states(found, restored)
 
     def _complete_step(self, step: int | None) -> int:

@@ -34,6 +34,7 @@ from jaxstrategy._src.checkpoint.format import (
     answer_to_former_names,
     process_file,
 )
+from jaxstrategy._src.checkpoint.placement import Placement
 from jaxstrategy._src.core.errors import bullet_list
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.input.datasets import DistributedIterator
@@ -164,7 +165,7 @@ def _fill(tree: PyTree, values: dict[str, Any]) -> PyTree:
 
 
 def restoring_positions(
-    read: Callable[[jax.sharding.Sharding, PyTree], PyTree],
+    read: Callable[[Placement, PyTree], PyTree],
     manager: ocp.CheckpointManager,
     step: int,
     where: str,
@@ -172,8 +173,8 @@ def restoring_positions(
     mismatch: type[Exception],
     corrupt: type[Exception],
     saved_checksums: dict[str, int] | None = None,
-) -> Callable[[jax.sharding.Sharding, PyTree], PyTree]:
-    """`read` (a step's arrays onto a sharding, checked against a target) that also restores the
+) -> Callable[[Placement, PyTree], PyTree]:
+    """`read` (a step's arrays placed by a `Placement`, checked against a target) that also restores the
     iterators of the target to their saved positions, or gives the saved states without one.
 
     The positions are read (checked against `saved_checksums`, by file name, when given) and
@@ -181,7 +182,7 @@ def restoring_positions(
     the arrays are read.
     """
 
-    def read_with_positions(sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+    def read_with_positions(placement: Placement, target: PyTree) -> PyTree:
         target, iterators = take_iterators(target)
         states: dict[str, Any] = {}
         if (Path(manager.directory) / str(step) / ITERATORS_ITEM).is_dir():
@@ -206,7 +207,7 @@ def restoring_positions(
                     f"The target does not match the checkpoint at {where}; nothing was restored:"
                     f"{bullet_list(problems)}"
                 )
-        restored_tree = read(sharding, target)
+        restored_tree = read(placement, target)
         if target is None:
             return _fill(restored_tree, states)
         for path, iterator in iterators.items():

@@ -1,19 +1,22 @@
-"""Reading a saved step back: onto any strategy's sharding, checked against a target and checksums.
+"""Reading a saved step back: onto any strategy's layout, checked against a target and checksums.
 
 What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step. The
 step's orbax metadata gives every leaf's path, shape and dtype; from them (and a `target`, when
 given, checked leaf by leaf first, every difference reported at once) comes an abstract tree of
-`jax.ShapeDtypeStruct`s carrying the target strategy's sharding, so orbax reads every array
-directly onto its device, committed, whatever strategy saved it. Leaves JAX would narrow while
-`jax_enable_x64` is off (int64, uint64, float64, complex128) are read exactly onto the host
-instead, since orbax would cast them silently: integers that do not fit the 32-bit type are an
-OverflowError, and floats come back 32-bit with a warning.
+`jax.ShapeDtypeStruct`s carrying each leaf's sharding on the target strategy (`placement.py`: the
+strategy's `sharding`, or on `ShardedStrategy` the leaf's own layout), so orbax reads every array
+directly onto its devices, each device reading only its part, committed, whatever strategy saved
+it. Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64, complex128) are
+read exactly onto the host instead, since orbax would cast them silently: integers that do not
+fit the 32-bit type are an OverflowError, and floats come back 32-bit with a warning.
 
 Checksums (`checksums.py`), unless `verify=False`: the step's `checksums` item is read and checked
 to be whole first (`step_checksums`), and to cover every leaf before any is read; the JSON items
 are checked as soon as they are read, before they are used (an edited PRNG implementation or
 zero-size shape is a CorruptCheckpointError, not JAX's TypeError or a wrong shape); the arrays'
-bytes once read, before any leaf is narrowed.
+bytes once read, before any leaf is narrowed. A saved shard is checked from the restored leaf
+however it is split now (`regions.py`), so restoring onto a strategy of another shape checks
+every byte too.
 
 A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
 `ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
@@ -47,6 +50,7 @@ from jaxstrategy._src.checkpoint.format import (
     check_step,
     is_complete,
 )
+from jaxstrategy._src.checkpoint.placement import Placement
 from jaxstrategy._src.cluster import coordination
 from jaxstrategy._src.core import orbax_compat
 from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
@@ -104,7 +108,7 @@ def plain_orbax_item(items: dict[int | None, Path], step: int | None, directory:
     return items[step]
 
 
-def restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) -> PyTree:
+def restore_item(item: Path, placement: Placement, target: PyTree) -> PyTree:
     """Restore a pytree item written by orbax alone (no PRNG keys or zero-size arrays in it)."""
     where = f"{item} (written by orbax alone)"
     handler = ocp.StandardCheckpointHandler()
@@ -117,7 +121,7 @@ def restore_item(item: Path, sharding: jax.sharding.Sharding, target: PyTree) ->
         def read(abstract: PyTree) -> PyTree:
             return handler.restore(item, args=ocp.args.StandardRestore(abstract))
 
-        return _restore_state(read, saved, {}, {}, sharding, target, where)
+        return _restore_state(read, saved, {}, {}, placement, target, where)
     finally:
         handler.close()
 
@@ -143,12 +147,12 @@ def restore_step(
     metadata: Any,
     step: int,
     where: str,
-    sharding: jax.sharding.Sharding,
+    placement: Placement,
     target: PyTree,
     *,
     saved_checksums: checksums.SavedChecksums | None,
 ) -> PyTree:
-    """Restore `step` of `manager`'s checkpoint (`metadata` its orbax metadata) onto `sharding`,
+    """Restore `step` of `manager`'s checkpoint (`metadata` its orbax metadata) by `placement`,
     shaped as `target` (the saved structure when None), checked against `saved_checksums`
     (those of the step, or None not to check)."""
     try:
@@ -183,7 +187,7 @@ def restore_step(
         verify = functools.partial(
             _verify, saved_regions=saved_regions, algorithm=saved_checksums.algorithm, where=where
         )
-    return _restore_state(read, saved, prng_impls, zero_size, sharding, target, where, verify=verify)
+    return _restore_state(read, saved, prng_impls, zero_size, placement, target, where, verify=verify)
 
 
 def _restore_state(
@@ -191,28 +195,39 @@ def _restore_state(
     saved: PyTree,
     prng_impls: dict[str, str],
     zero_size: dict[str, tuple[int, ...]],
-    sharding: jax.sharding.Sharding,
+    placement: Placement,
     target: PyTree,
     where: str,
     *,
     verify: Callable[[PyTree], None] | None = None,
 ) -> PyTree:
-    """Check `target` against the `saved` orbax metadata, then `read` the arrays onto `sharding`.
+    """Check `target` against the `saved` orbax metadata, then `read` the arrays by `placement`.
 
-    `verify`, when given, checks the leaves read as stored (PRNG keys as their data, 64-bit
-    leaves before they are narrowed, zero-size arrays as their placeholders).
+    Each leaf goes where `placement` puts the target's leaf at its path, or without a target the
+    saved leaf as it comes back. `verify`, when given, checks the leaves read as stored (PRNG keys
+    as their data, 64-bit leaves before they are narrowed, zero-size arrays as their placeholders).
     """
     saved_leaves = {}
     for path, meta in jax.tree_util.tree_flatten_with_path(saved)[0]:
         name = stored_leaves.path_string(path)
         saved_leaves[name] = (zero_size.get(name, tuple(meta.shape)), np.dtype(meta.dtype))
     if target is None:
-        abstract = jax.tree.map(
-            lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding), saved
-        )
+        placed = placement.shardings(_as_restored(saved, saved_leaves, prng_impls))
+
+        def abstract_leaf(path: tuple[Any, ...], meta: Any) -> jax.ShapeDtypeStruct:
+            sharding = placed[stored_leaves.path_string(path)]
+            return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
+
+        abstract = jax.tree_util.tree_map_with_path(abstract_leaf, saved)
     else:
-        abstract = _abstract_target(target, saved_leaves, prng_impls, where, sharding)
-    abstract = stored_leaves.wide_on_host(stored_leaves.as_stored(abstract, zero_size))
+        abstract = _abstract_target(target, saved_leaves, prng_impls, where, placement)
+    # Where each leaf goes once restored, taken before zero-size leaves are replaced by scalars.
+    shardings = {
+        stored_leaves.path_string(path): leaf.sharding
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+    abstract = stored_leaves.as_stored(abstract, zero_size, placement.replicated)
+    abstract = stored_leaves.wide_on_host(abstract)
     try:
         restored = jax.block_until_ready(
             read(abstract)
@@ -222,8 +237,10 @@ def _restore_state(
         raise CorruptCheckpointError(_read_failure(error, saved, where)) from error
     if verify is not None:
         verify(restored)
-    restored = stored_leaves.narrow_wide(restored, sharding, where)
-    restored = stored_leaves.restore_zero_size(restored, zero_size, sharding)
+    # A zero-size leaf is still its scalar placeholder here, which cannot be split as the leaf is.
+    placeholders = dict.fromkeys(zero_size, placement.replicated)
+    restored = stored_leaves.narrow_wide(restored, shardings | placeholders, where)
+    restored = stored_leaves.restore_zero_size(restored, zero_size, shardings)
     return stored_leaves.wrap_prng_keys(restored, prng_impls)
 
 
@@ -303,8 +320,11 @@ def _abstract_target(
     saved: dict[str, tuple[tuple[int, ...], np.dtype]],
     prng_impls: dict[str, str],
     where: str,
-    sharding: jax.sharding.Sharding,
+    placement: Placement,
 ) -> PyTree:
+    """An abstract tree shaped like `target`, each leaf as stored (PRNG keys as their data) with
+    its sharding by `placement`; every difference from the `saved` leaves is one error.
+    """
     problems = []
     wanted = {}
     unusable: set[str] = set()
@@ -345,11 +365,32 @@ def _abstract_target(
             f"{bullet_list(listed)}{more}"
         )
 
+    placed = placement.shardings(target)
+
     def abstract_leaf(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
-        shape, dtype = wanted[stored_leaves.path_string(path)]
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        name = stored_leaves.path_string(path)
+        shape, dtype = wanted[name]
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed[name])
 
     return jax.tree_util.tree_map_with_path(abstract_leaf, target)
+
+
+def _as_restored(
+    saved: PyTree, saved_leaves: dict[str, tuple[tuple[int, ...], np.dtype]], prng_impls: dict[str, str]
+) -> PyTree:
+    """The `saved` leaves as `jax.ShapeDtypeStruct`s of what restoring gives back: zero-size arrays
+    with their shapes (`saved_leaves` has them), PRNG keys as keys, so that they are laid out as
+    `put` would lay out the restored leaves."""
+
+    def restored(path: tuple[Any, ...], meta: Any) -> jax.ShapeDtypeStruct:
+        name = stored_leaves.path_string(path)
+        data = jax.ShapeDtypeStruct(*saved_leaves[name])
+        impl = prng_impls.get(name)
+        if impl is None:
+            return data
+        return jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=impl), data)
+
+    return jax.tree_util.tree_map_with_path(restored, saved)
 
 
 def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:

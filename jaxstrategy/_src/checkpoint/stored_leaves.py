@@ -86,32 +86,37 @@ def path_parts(path: tuple[Any, ...]) -> list[str]:
     return parts
 
 
-def as_stored(abstract: PyTree, zero_size: dict[str, tuple[int, ...]]) -> PyTree:
-    """Ask orbax for the scalar placeholder stored in place of each zero-size array."""
+def as_stored(
+    abstract: PyTree, zero_size: dict[str, tuple[int, ...]], replicated: jax.sharding.Sharding
+) -> PyTree:
+    """Ask orbax for the scalar placeholder stored in place of each zero-size array, onto
+    `replicated` (a scalar has no dimension to split, whatever layout its leaf has)."""
     if not zero_size:
         return abstract
 
     def stored(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         if path_string(path) not in zero_size:
             return leaf
-        return jax.ShapeDtypeStruct((), leaf.dtype, sharding=leaf.sharding)
+        return jax.ShapeDtypeStruct((), leaf.dtype, sharding=replicated)
 
     return jax.tree_util.tree_map_with_path(stored, abstract)
 
 
 def restore_zero_size(
-    tree: PyTree, zero_size: dict[str, tuple[int, ...]], sharding: jax.sharding.Sharding
+    tree: PyTree, zero_size: dict[str, tuple[int, ...]], shardings: dict[str, jax.sharding.Sharding]
 ) -> PyTree:
-    """Put back the zero-size arrays, committed to `sharding` as orbax places the others."""
+    """Put back the zero-size arrays, each committed to its sharding in `shardings` (by path), as
+    orbax places the others."""
     if not zero_size:
         return tree
 
     def restore(path: tuple[Any, ...], leaf: Any) -> Any:
-        shape = zero_size.get(path_string(path))
+        name = path_string(path)
+        shape = zero_size.get(name)
         if shape is None:
             return leaf
         empty = np.zeros(shape, leaf.dtype)
-        return jax.make_array_from_callback(shape, sharding, lambda index: empty[index])
+        return jax.make_array_from_callback(shape, shardings[name], lambda index: empty[index])
 
     return jax.tree_util.tree_map_with_path(restore, tree)
 
@@ -138,8 +143,9 @@ def wide_on_host(abstract: PyTree) -> PyTree:
     return jax.tree.map(on_host, abstract)
 
 
-def narrow_wide(tree: PyTree, sharding: jax.sharding.Sharding, where: str) -> PyTree:
-    """Narrow the leaves `wide_on_host` read as numpy to JAX's dtypes, onto `sharding`.
+def narrow_wide(tree: PyTree, shardings: dict[str, jax.sharding.Sharding], where: str) -> PyTree:
+    """Narrow the leaves `wide_on_host` read as numpy to JAX's dtypes, each onto its sharding in
+    `shardings` (by path).
 
     Integers that do not fit are an OverflowError; floats lose precision with a warning.
     """
@@ -171,13 +177,14 @@ def narrow_wide(tree: PyTree, sharding: jax.sharding.Sharding, where: str) -> Py
             stacklevel=caller_stacklevel(),
         )
 
-    def place(leaf: Any) -> Any:
+    def place(path: tuple[Any, ...], leaf: Any) -> Any:
         if not _is_host(leaf):
             return leaf
         narrowed = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+        sharding = shardings[path_string(path)]
         return jax.make_array_from_callback(leaf.shape, sharding, lambda index: narrowed[index])
 
-    return jax.tree.map(place, tree)
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def _is_host(leaf: Any) -> bool:

@@ -1,0 +1,69 @@
+"""Where restoring puts each leaf: the target strategy's one sharding, or its layout leaf by leaf.
+
+Most strategies hold every variable whole on each of their devices, so one sharding,
+`strategy.sharding`, places every leaf. `ShardedStrategy` splits each large leaf over the devices
+of each replica, by rules that look at the leaf's path, shape and dtype (`strategy.layout_of`):
+restored onto its `sharding`, which is replicated, a model bigger than one device would be
+gathered whole onto every device. A `Placement` is both cases behind one question, "where does
+the leaf at this path go?", asked of the tree as the user holds it: a target's own leaves (its
+NNX Variables' annotations included), or, without a target, the saved leaves as they come back
+(PRNG keys as keys, zero-size arrays with their shapes), so that a leaf restores where `put`
+would have placed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from jaxstrategy._src.checkpoint import stored_leaves
+from jaxstrategy._src.core.types import PyTree
+from jaxstrategy._src.steps import nnx_objects
+from jaxstrategy._src.strategies.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where restored leaves go.
+
+    Attributes:
+      replicated: a sharding that holds a whole copy on each of the strategy's devices
+        (`strategy.sharding`): every leaf's, without `layout`, and always the scalars that stand
+        for zero-size arrays on disk, which have no dimension to split.
+      layout: from a tree of leaves (arrays, `jax.ShapeDtypeStruct`s, NNX Variables) to a tree of
+        shardings shaped like it, a Variable counting as one leaf (`ShardedStrategy.layout_of`);
+        None when every leaf goes onto `replicated`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=16)
+      >>> shardings = placement_of(strategy).shardings({'w': jnp.ones((4, 2)), 'b': [jnp.ones(3)]})
+      >>> tuple(shardings['w'].spec), tuple(shardings['b/0'].spec)
+      (('shard', None), ())
+    """
+
+    replicated: jax.sharding.Sharding
+    layout: Callable[[PyTree], PyTree] | None = None
+
+    def shardings(self, tree: PyTree) -> dict[str, jax.sharding.Sharding]:
+        """The sharding of each leaf of `tree`, by its path as a checkpoint names it
+        (`stored_leaves.path_string`); a Variable's value at the Variable's path and below."""
+        units = jax.tree_util.tree_flatten_with_path(tree, is_leaf=nnx_objects.is_variable)[0]
+        if self.layout is None:
+            where = [self.replicated] * len(units)
+        else:
+            where = jax.tree.leaves(self.layout(tree), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        placed = {}
+        for (path, unit), sharding in zip(units, where, strict=True):
+            for inner, _ in jax.tree_util.tree_flatten_with_path(unit)[0]:
+                placed[stored_leaves.path_string((*path, *inner))] = sharding
+        return placed
+
+
+def placement_of(strategy: Strategy) -> Placement:
+    """Where `strategy` puts restored leaves: by its `layout_of` where it lays out each leaf
+    itself (`ShardedStrategy`), else all onto its `sharding`."""
+    layout_of = getattr(strategy, "layout_of", None)
+    return Placement(strategy.sharding, layout_of if callable(layout_of) else None)
