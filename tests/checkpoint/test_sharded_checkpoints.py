@@ -248,7 +248,7 @@ def test_an_nnx_model_restores_in_place_on_its_annotated_layout(tmp_path):
             self.dense = nnx.Linear(64, 32, kernel_init=init, rngs=nnx.Rngs(seed))
 
     strategy = _STRATEGIES["sharded 1x4"]()
-    with strategy.scope():
+    with jax.set_mesh(strategy.mesh):  # Where Flax's eager sharding finds the mesh.
         saved, fresh = Dense(0), Dense(1)
     checkpoint.save(tmp_path, {"model": saved})
     restored = checkpoint.restore(tmp_path, strategy=strategy, target={"model": fresh})

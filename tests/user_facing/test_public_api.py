@@ -28,6 +28,7 @@ PUBLIC_NAMES = (
     "ReduceOp",
     "ReplicaContext",
     "RunOptions",
+    "ShardedStrategy",
     "SimpleClusterResolver",
     "Strategy",
     "StrategyExtended",
