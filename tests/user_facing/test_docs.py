@@ -59,6 +59,7 @@ def test_the_guides_exist_and_have_examples():
         "flax_nnx.md",
         "many_devices.md",
         "many_hosts.md",
+        "sharded.md",
         "checkpoints.md",
         "input_pipelines.md",
         "coming_from_tensorflow.md",
@@ -74,7 +75,7 @@ def test_every_skip_marker_gives_a_reason():
 
 
 # Pages whose examples take over ~2 s (`make test-fast` skips the tests marked slow).
-SLOW_PAGES = {"flax_nnx.md", "checkpoints.md"}
+SLOW_PAGES = {"flax_nnx.md", "checkpoints.md", "sharded.md"}
 
 
 @pytest.mark.parametrize(
