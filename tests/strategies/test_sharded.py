@@ -339,3 +339,34 @@ def test_an_nnx_annotation_off_the_mesh_is_an_error_naming_the_variable(cpu_devi
         match=r"the Flax Variable '0/0/kernel' is annotated \(None, 'model'\), naming 'model'.*nnx.logical_axis_rules",
     ):
         strategy.put(model)
+
+
+def test_the_mesh_and_the_variables_sharding(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    assert strategy.mesh.axis_names == ("replica", "shard") and dict(strategy.mesh.shape) == {
+        "replica": 2,
+        "shard": 2,
+    }
+    assert set(strategy.mesh.axis_types) == {jax.sharding.AxisType.Auto}
+    assert strategy.sharding == NamedSharding(strategy.mesh, P())
+    assert strategy.num_replicas_in_sync == 2 and strategy.devices_per_replica == 2
+    assert strategy == ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    assert strategy != ShardedStrategy(cpu_devices[:4], num_replicas=4)
+
+
+def test_scope_sets_no_mesh(cpu_devices):
+    # Arrays made in scope land on the first device, as on MirroredStrategy, not on the mesh.
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=1)
+    with strategy.scope():
+        assert jax.sharding.get_abstract_mesh().empty
+        assert jnp.zeros(3).devices() == {cpu_devices[0]}
+
+
+def test_one_device_per_replica_trains_as_mirrored_strategy(cpu_devices):
+    optimizer = optax.sgd(0.5, momentum=0.9)
+    mirrored = jaxstrategy.MirroredStrategy(cpu_devices[:4])
+    sharded = ShardedStrategy(cpu_devices[:4], num_replicas=4, min_shard_bytes=0)
+    losses, params, _ = _sharded_training(sharded, optimizer)
+    expected_losses, expected_params, _ = _sharded_training(mirrored, optimizer)
+    np.testing.assert_array_equal(losses, expected_losses)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, expected_params))
