@@ -370,3 +370,11 @@ def test_one_device_per_replica_trains_as_mirrored_strategy(cpu_devices):
     expected_losses, expected_params, _ = _sharded_training(mirrored, optimizer)
     np.testing.assert_array_equal(losses, expected_losses)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, expected_params))
+
+
+def test_a_rule_clash_names_the_call_that_met_it(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], layout=[(".*kernel", P()), ("dense1/.*", P())])
+    with pytest.raises(
+        ValueError, match=r"^ShardedStrategy\.put\(\): the leaf 'dense1/kernel' matches more than one"
+    ):
+        strategy.put(_mlp_params())

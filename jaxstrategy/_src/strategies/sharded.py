@@ -310,7 +310,7 @@ class ShardedStrategy(MeshStrategy):
             declared = declared_spec(leaf, path_string(path), caller)
             leaf = leaf.get_raw_value()
         shape, dtype = _shape_and_dtype(leaf)
-        return self._rules.leaf(path, shape, dtype, declared=declared, follows=follows)
+        return self._rules.leaf(path, shape, dtype, declared=declared, follows=follows, caller=caller)
 
     def _unit_layout(self, path: Sequence[Any], unit: Any, caller: str) -> tuple[Any, NamedSharding]:
         if isinstance(unit, PerReplica):

@@ -123,6 +123,7 @@ class LayoutRules:
         *,
         declared: tuple[PartitionSpec, str] | None = None,
         follows: tuple[PartitionSpec, str] | None = None,
+        caller: str | None = None,
     ) -> LeafLayout:
         """The layout of the leaf at `path` (a key path) of this shape and dtype.
 
@@ -131,6 +132,7 @@ class LayoutRules:
             metadata).
           follows: the spec of the input it follows, and that input's path (outputs of `run`
             and `init`).
+          caller: the call to name in messages (the strategy's constructor, if None).
 
         Raises:
           ValueError: two rules match the leaf; a spec has more entries than the leaf has
@@ -138,16 +140,17 @@ class LayoutRules:
         """
         name = path_string(path)
         dtype = _as_dtype(dtype)
+        who = caller or self._caller
         if declared is not None:
             spec, reason = declared
-            self._check_fits(spec, name, shape, reason)
-        elif (rule := self._matching_rule(path, name)) is not None:
+            self._check_fits(spec, name, shape, reason, who)
+        elif (rule := self._matching_rule(path, name, who)) is not None:
             spec, reason = rule.spec, f"rule {rule.source!r}"
-            self._check_fits(spec, name, shape, reason)
+            self._check_fits(spec, name, shape, reason, who)
         elif follows is not None:
             spec, reason = follows[0], f"follows {follows[1]}"
         else:
-            spec, reason = self._default(name, shape, dtype)
+            spec, reason = self._default(name, shape, dtype, who)
         return LeafLayout(
             name, tuple(shape), dtype, spec, reason, _bytes_per_device(shape, dtype, spec, self.shards)
         )
@@ -172,34 +175,38 @@ class LayoutRules:
             stacklevel=caller_stacklevel(),
         )
 
-    def _matching_rule(self, path: Sequence[Any], name: str) -> _Rule | None:
+    def _matching_rule(self, path: Sequence[Any], name: str, caller: str) -> _Rule | None:
         suffixes = _suffixes(path, name)
         matching = [rule for rule in self._rules if any(rule.pattern.fullmatch(s) for s in suffixes)]
         if len(matching) > 1:
             raise ValueError(
-                f"{self._caller}: the leaf {name!r} matches more than one layout rule:"
+                f"{caller}: the leaf {name!r} matches more than one layout rule:"
                 f"{bullet_list([repr(rule.source) for rule in matching])}\nEach leaf must match one rule at "
                 "most; make the regexes more specific (they match the whole path, or trailing keys)."
             )
         return matching[0] if matching else None
 
-    def _check_fits(self, spec: PartitionSpec, name: str, shape: tuple[int, ...], reason: str) -> None:
+    def _check_fits(
+        self, spec: PartitionSpec, name: str, shape: tuple[int, ...], reason: str, caller: str
+    ) -> None:
         if len(spec) > len(shape):
             raise ValueError(
-                f"{self._caller}: the layout {spec} from {reason} has {len(spec)} entries, but the leaf "
+                f"{caller}: the layout {spec} from {reason} has {len(spec)} entries, but the leaf "
                 f"{name!r} has shape {tuple(shape)} ({len(shape)} dimensions). Give a spec with at "
                 "most one entry per dimension."
             )
         for dimension, entry in enumerate(spec):
             if entry is not None and shape[dimension] % self.shards:
                 raise ValueError(
-                    f"{self._caller}: the layout {spec} from {reason} splits dimension {dimension} "
+                    f"{caller}: the layout {spec} from {reason} splits dimension {dimension} "
                     f"(of size {shape[dimension]}) of the leaf {name!r} over {self.shards} devices, "
                     f"which does not divide it. Split a dimension that {self.shards} divides, or "
                     "replicate the leaf (spec PartitionSpec())."
                 )
 
-    def _default(self, name: str, shape: tuple[int, ...], dtype: Any) -> tuple[PartitionSpec, str]:
+    def _default(
+        self, name: str, shape: tuple[int, ...], dtype: Any, caller: str
+    ) -> tuple[PartitionSpec, str]:
         size = math.prod(shape) * dtype.itemsize
         if self.shards == 1:
             return PartitionSpec(), "replicated: one device per replica"
@@ -218,7 +225,7 @@ class LayoutRules:
         if shape and name not in self._warned:
             self._warned.add(name)
             warnings.warn(
-                f"{self._caller}: the leaf {name!r} of shape {tuple(shape)} ({_format_bytes(size)}) is "
+                f"{caller}: the leaf {name!r} of shape {tuple(shape)} ({_format_bytes(size)}) is "
                 f"replicated on every device: no dimension of it divides over {self.shards} devices. "
                 "Pad it to a multiple, or give a layout rule that replicates it on purpose "
                 f"(({name!r}, PartitionSpec())) to silence this.",
