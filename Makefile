@@ -50,7 +50,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff format --check jaxstrategy jaxstrategy_pytest.py tests bench examples conftest.py
 	$(BIN)/mypy jaxstrategy jaxstrategy_pytest.py
 
-# bench/vs_keras.py compares with Keras 3 (JAX backend), from the `bench` extra.
+# bench/vs_keras.py and bench/sharded.py compare with Keras 3 (JAX backend), from the `bench` extra.
 $(VENV)/.bench-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	touch $@
@@ -64,6 +64,7 @@ bench: $(VENV)/.test-installed $(VENV)/.bench-installed
 	$(BIN)/python bench/nnx.py
 	$(BIN)/python bench/loss_checks.py
 	$(BIN)/python bench/vs_keras.py
+	$(BIN)/python bench/sharded.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output docs/_build docs/notebooks

@@ -4,7 +4,9 @@ Each benchmark checks what it can check without timing: run_overhead fails on an
 checkpoint verifies every round trip, input_pipeline counts compiles while timed, mirrored
 forces two CPU devices and fails on any retrace, multi_worker starts jobs of one and of two
 processes and fails on any retrace, nnx fails on any retrace or compile while timed, loss_checks
-checks that its checks catch a negative batch size and fails on any compile while timed.
+checks that its checks catch a negative batch size and fails on any compile while timed, sharded
+forces four CPU devices, fails on any retrace or compile while timed and skips its Keras rows
+without keras.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         "multi_worker.py",
         "nnx.py",
         "loss_checks.py",
+        "sharded.py",
     ],
 )
 def test_benchmark_smoke_run(script):
