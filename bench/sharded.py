@@ -10,13 +10,14 @@ buffers, so arguments plus temporaries is what a step holds).
 
 * Sharded (R,S): `ShardedStrategy(num_replicas=R)` for (R,S) = (4,1), (2,2), (1,4), the state
   made by `strategy.init`, the batches from `strategy.experimental_distribute_dataset` (which
-  splits each global batch over the replicas, and each replica's part over its S devices).
-* Sharded (1,4), batch whole: the same, the batch put on the mesh replicated
-  (`jax.device_put(batch, strategy.sharding)`) and passed whole, as Keras lays it out.
+  splits each global batch over the replicas, each replica's part whole on its S devices, as
+  Keras lays a batch out over its 'model' axis).
 * jit: what a JAX user writes by hand: `jax.jit` with the kernels laid out by the specs that
   `ShardedStrategy.layout_of` gives (P('shard', None)) on a 1 x 4 mesh ('replica', 'shard'), the
-  rest replicated, and the batch split over the 4 devices as the dataset splits it.
-* jit, batch whole: the same, the batch replicated.
+  rest replicated, and the batch whole on every device.
+* jit, batch split: the same, the batch split over the 4 devices (FSDP's layout). It shows what
+  ShardedStrategy's first cut did, and why it no longer does: XLA then gathers every kernel and
+  all-reduces every whole gradient (no reduce-scatter on CPU), 5x slower here.
 * Mirrored: `MirroredStrategy` over the 4 devices, for reference.
 * Keras ModelParallel: Keras 3 on JAX, `DeviceMesh((1, 4), ('batch', 'model'))` and a `LayoutMap`
   mapping '.*kernel' to ('model', None), the same split as ours, through `model.fit`. Skipped,
@@ -80,9 +81,8 @@ GOAL_STEP = 1.05
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "_static" / "sharded.png"
 
 SHARDED_14 = "Sharded (1,4)"
-WHOLE_14 = "Sharded (1,4), batch whole"
 JIT = "jit"
-JIT_WHOLE = "jit, batch whole"
+JIT_SPLIT = "jit, batch split"
 MIRRORED = "Mirrored"
 KERAS = "Keras ModelParallel"
 
@@ -164,16 +164,10 @@ def strategy_case(
     strategy: jaxstrategy.MirroredStrategy | jaxstrategy.ShardedStrategy,
     batches: list[Any],
     hidden: int,
-    *,
-    whole_batch: bool = False,
 ) -> Case:
     params = strategy.init(init_params, jax.random.key(0), hidden)
     carried = [(params, strategy.init(ADAM.init, params))]
-    if whole_batch:  # Replicated on the mesh: `run` leaves an array on its mesh where it is.
-        source: Any = [jax.device_put(batch, strategy.sharding) for batch in batches]
-        dataset: Any = source
-    else:
-        dataset = strategy.experimental_distribute_dataset(batches)
+    dataset = strategy.experimental_distribute_dataset(batches)
     donate = jaxstrategy.RunOptions(donate_argnums=(0, 1))
     step = replica_step(name)
 
@@ -188,10 +182,9 @@ def strategy_case(
         # The step compiled under an outer jax.jit that donates, as run's does (run works under
         # one), rather than taken from run's private cache of jits. Under an outer jit, run sees
         # tracers, not where the arrays are: it reuses the jit of its last call of `step` with the
-        # same options, else lays the inputs out by its rules (which would split a whole batch
-        # along its features). So first one call without options, the arrays placed as timed.
-        # Checked on this model, without donation, for both batch layouts: the same arguments,
-        # temporaries and collectives as the jit in run's cache.
+        # same options, else lays the inputs out by its rules. So first one call without
+        # options, the arrays placed as timed. Checked on this model, without donation: the same
+        # arguments, temporaries and collectives as the jit in run's cache.
         batch = next(iter(dataset))
         strategy.run(step, args=(*carried[0], batch))
         outer = jax.jit(lambda p, s, b: strategy.run(step, args=(p, s, b)), donate_argnums=(0, 1))
@@ -328,9 +321,8 @@ def main() -> None:
     for r, s in MESHES:
         name = f"Sharded ({r},{s})"
         cases[name] = strategy_case(name, sharded[r, s], batches, args.hidden)
-    cases[WHOLE_14] = strategy_case(WHOLE_14, sharded[1, 4], batches, args.hidden, whole_batch=True)
-    cases[JIT] = jit_case(JIT, sharded[1, 4].layout_of, batches, args.hidden, whole_batch=False)
-    cases[JIT_WHOLE] = jit_case(JIT_WHOLE, sharded[1, 4].layout_of, batches, args.hidden, whole_batch=True)
+    cases[JIT] = jit_case(JIT, sharded[1, 4].layout_of, batches, args.hidden, whole_batch=True)
+    cases[JIT_SPLIT] = jit_case(JIT_SPLIT, sharded[1, 4].layout_of, batches, args.hidden, whole_batch=False)
     mirrored = jaxstrategy.MirroredStrategy(devices)
     cases[MIRRORED] = strategy_case(MIRRORED, mirrored, batches, args.hidden)
     has_keras = keras_importable()
@@ -475,11 +467,11 @@ def draw(cases: dict[str, Case], args: argparse.Namespace) -> None:
         label="Mirrored: step's args + temp",
     )
     time_axes.axhline(np.median(cases[MIRRORED].times) * 1e3, linestyle=":", color="gray", label=MIRRORED)
-    points = [(JIT, "s", "hand-written jax.jit"), (WHOLE_14, "^", WHOLE_14)]
+    points = [(JIT, "s", "hand-written jax.jit"), (JIT_SPLIT, "^", "hand-written jax.jit, batch split")]
     points += [(KERAS, "D", KERAS)] if KERAS in cases else []
     for offset, (name, marker, label) in zip((-0.1, 0.1, 0.2), points, strict=False):
         time_axes.plot([4 + offset], [np.median(cases[name].times) * 1e3], marker, label=label)
-        if name != JIT:  # The jit's memory is Sharded (1,4)'s.
+        if name != JIT:  # The jit's memory is Sharded (1,4)'s (they compile to the same program).
             memory_axes.plot(
                 [4 + offset], [mib_of(step_bytes(cases[name]))], marker, label=f"{label}: args + temp"
             )

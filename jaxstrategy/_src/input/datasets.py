@@ -185,7 +185,6 @@ class DistributedDataset:
             stacked=layout.stacked,
             partial_batch=options.partial_batch,
             caller=caller,
-            part_multiple=layout.part_multiple,
         )
         self._placer = BatchPlacer(layout, on_device=on_device)
         self._keep_jax_arrays = not layout.stacked  # See `host_elements`.

@@ -97,7 +97,6 @@ class BatchPlacer:
             isinstance(leaf, jax.Array) for leaf in leaves
         ):
             return list(_one_device_placer(sharding)(*leaves))
-        where = self._shardings(leaves)
         # Jax arrays already placed as the step wants them are used as they are, at no cost: the
         # recipe for data that fits on the device (see the performance guide). Numpy leaves are
         # private copies, which JAX may take over; a jax array that moves is copied, so that a
@@ -111,46 +110,18 @@ class BatchPlacer:
                 # Typed on the device, as numpy types it on every other path (`jnp.array(0.5)`
                 # becomes float32): kept weak, its dtype would follow what the step combines it with.
                 typed = placed[i] = leaf.astype(leaf.dtype)
-                if not _is_placed(typed, where[i]):
+                if not _is_placed(typed, sharding):
                     elsewhere.append(i)
-            elif not _is_placed(leaf, where[i]):
+            elif not _is_placed(leaf, sharding):
                 elsewhere.append(i)
-
-        def destinations(positions: list[int]) -> jax.sharding.Sharding | list[jax.sharding.Sharding]:
-            return sharding if self._layout.split_sharding is None else [where[i] for i in positions]
-
         if on_host:
-            put = put_private([leaves[i] for i in on_host], destinations(on_host))
-            for i, leaf in zip(on_host, put, strict=True):
+            for i, leaf in zip(on_host, put_private([leaves[i] for i in on_host], sharding), strict=True):
                 placed[i] = leaf
         if elsewhere:
-            copies = device_put_anywhere(
-                [placed[i] for i in elsewhere], destinations(elsewhere), may_alias=False
-            )
+            copies = device_put_anywhere([placed[i] for i in elsewhere], sharding, may_alias=False)
             for i, leaf in zip(elsewhere, copies, strict=True):
                 placed[i] = leaf
         return placed
-
-    def _shardings(self, leaves: Sequence[np.ndarray | jax.Array]) -> list[jax.sharding.Sharding]:
-        """Where each leaf goes: on a layout that splits replicas' parts (ShardedStrategy), a
-        part that is not a scalar is split along its first axis over its replica's devices."""
-        split = self._layout.split_sharding
-        if split is None:
-            return [self._layout.sharding] * len(leaves)
-        devices = split.mesh.shape[split.spec[1]]
-        uneven = [
-            f"{leaf.dtype}{list(leaf.shape[1:])}"
-            for leaf in leaves
-            if leaf.ndim >= 2 and leaf.shape[1] % devices
-        ]
-        if uneven:
-            raise ValueError(
-                f"Each replica's part of a batch is split over the replica's {devices} devices along "
-                f"its first axis, which {devices} must divide; got parts {', '.join(uneven)}. Make "
-                f"the per-replica batch size a multiple of {devices} (the global batch a multiple of "
-                f"{devices * self._layout.num_replicas})."
-            )
-        return [split if leaf.ndim >= 2 else self._layout.sharding for leaf in leaves]
 
 
 @functools.lru_cache(maxsize=16)

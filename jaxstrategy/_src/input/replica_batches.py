@@ -48,9 +48,6 @@ class ReplicaLayout:
         some replicas belong to other processes, each process places only its own replicas'
         parts, and the processes' inputs end together (see `input/agreement.py`).
       input_timeout_s: then, how long a process's input waits for the others' at one step.
-      split_sharding: where each replica's part is also split along its first axis over the
-        replica's devices (ShardedStrategy), or None. Parts that are scalars stay on
-        `sharding`; a part whose first axis the devices do not divide is an error.
     """
 
     sharding: jax.sharding.Sharding
@@ -58,18 +55,10 @@ class ReplicaLayout:
     stacked: bool = False
     local_replicas: range | None = None
     input_timeout_s: float = 3600.0
-    split_sharding: jax.sharding.NamedSharding | None = None
 
     @property
     def local_replica_ids(self) -> range:
         return range(self.num_replicas) if self.local_replicas is None else self.local_replicas
-
-    @property
-    def part_multiple(self) -> int:
-        """What must divide each replica's part of a split batch: its devices, when the part is
-        split over them too."""
-        split = self.split_sharding
-        return 1 if split is None else split.mesh.devices.size // self.num_replicas
 
     @property
     def is_multi_process(self) -> bool:
@@ -123,8 +112,6 @@ class ReplicaBatcher:
         batch is then passed on as it is).
       partial_batch: 'error', 'drop' or 'pad' (see `InputOptions.partial_batch`).
       caller: the call to name in messages.
-      part_multiple: with `split`, what must divide each replica's part (its devices, when the
-        part is split over them); a batch it does not fit follows `partial_batch`.
     """
 
     def __init__(
@@ -136,7 +123,6 @@ class ReplicaBatcher:
         partial_batch: str,
         caller: str,
         local_replicas: range | None = None,
-        part_multiple: int = 1,
     ):
         if not stacked and (num_replicas != 1 or grouping != "split"):
             raise ValueError("Unstacked batches are for a single replica that takes whole batches.")
@@ -146,7 +132,6 @@ class ReplicaBatcher:
         self._stacked = stacked
         self._policy = partial_batch
         self._caller = caller
-        self._part_multiple = part_multiple
 
     def batches(self, passes: list[Iterator[HostElement]]) -> Iterator[HostBatch | DroppedBatch]:
         """Lay out the elements of `passes` (one iterator per input pipeline) batch by batch."""
@@ -182,11 +167,9 @@ class ReplicaBatcher:
                 "leading batch size), or build per-replica elements with "
                 "distribute_datasets_from_function."
             )
-        unit = self._part_multiple
-        per_replica = math.ceil(size / (self._n * unit)) * unit
-        if size % (self._n * unit):
-            over = f"{self._n} replicas" if unit == 1 else f"{self._n} replicas of {unit} devices each"
-            what = f"a batch of {size} examples, which does not split evenly over {over}"
+        per_replica = math.ceil(size / self._n)
+        if size % self._n:
+            what = f"a batch of {size} examples, which does not split evenly over {self._n} replicas"
             dropped = self._tolerate(what, dropped=size)
             if dropped is not None:
                 return dropped
@@ -263,8 +246,7 @@ class ReplicaBatcher:
         raise ValueError(
             f"{self._caller}: got {what}. Every replica runs the same program on the same shapes, so "
             f"each step needs equal parts for all {self._n} replicas. Make the batch size a multiple "
-            f"of {self._n * self._part_multiple} and drop the remainder in the source (as "
-            "drop_remainder=True does), or "
+            f"of {self._n} and drop the remainder in the source (as drop_remainder=True does), or "
             "pass InputOptions(partial_batch='drop') to skip such batches with a warning, or "
             "partial_batch='pad' to pad them with zeros and get a mask of the real examples."
         )

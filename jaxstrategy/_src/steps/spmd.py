@@ -101,7 +101,9 @@ def per_replica_program(
 
         if one_replica_beside_others:
             # Bound by a vmap of one: a collective over a manual axis of size 1 beside a
-            # compiler-sharded one crashes XLA (measured, JAX 0.10.2).
+            # compiler-sharded one crashes XLA (measured, JAX 0.10.2). Nothing is mapped over
+            # (a PerReplica's one component goes in as it is): batched along a leading axis of
+            # one, each matmul became a batched one that XLA split otherwise.
             def one_replica(*values: Any) -> tuple[Any, ...]:
                 blocks = [
                     v[None] if per_replica else v
@@ -109,8 +111,10 @@ def per_replica_program(
                 ]
                 return tuple(x[0] for x in body(*blocks))
 
-            in_axes = tuple(0 if per_replica else None for per_replica in varying_inputs)
-            stacked = jax.vmap(one_replica, in_axes=in_axes, axis_name=axis_name, axis_size=1)(*traced)
+            components = [
+                v[0] if per_replica else v for v, per_replica in zip(traced, varying_inputs, strict=True)
+            ]
+            stacked = jax.vmap(one_replica, in_axes=None, axis_name=axis_name, axis_size=1)(*components)
         else:
             # `check_vma=False`: with JAX's replication types, a whole argument meeting a
             # per-replica value gets an implicit `pvary`, whose transpose is a `psum`, so a

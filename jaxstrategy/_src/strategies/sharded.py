@@ -27,7 +27,6 @@ from jaxstrategy._src.core.device_spec import spans_processes
 from jaxstrategy._src.core.errors import format_argument_path
 from jaxstrategy._src.core.jax_compat import is_tracer
 from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
-from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.steps import nnx_objects
 from jaxstrategy._src.steps.cache import traced_input_layout
 from jaxstrategy._src.steps.spmd import REPLICA_AXIS
@@ -128,7 +127,6 @@ class ShardedStrategy(MeshStrategy):
         grid = np.array(resolved, dtype=object).reshape(num_replicas, shards)
         super().__init__(resolved, jax.sharding.Mesh(grid, (REPLICA_AXIS, SHARD_AXIS), axis_types=auto))
         self._replica_meshes = tuple(jax.sharding.Mesh(np.array(row), (SHARD_AXIS,)) for row in grid)
-        self._split_stacked = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS, SHARD_AXIS))
 
     def __repr__(self) -> str:
         return (
@@ -181,7 +179,7 @@ class ShardedStrategy(MeshStrategy):
         """
         tree = _with_states(tree)
         units, treedef = _units(tree)
-        leaves = [self._unit_layout(path, unit, "ShardedStrategy.layout_of()")[1] for path, unit in units]
+        leaves = [self._unit_sharding(path, unit, "ShardedStrategy.layout_of()") for path, unit in units]
         return jax.tree.unflatten(treedef, leaves)
 
     def describe_layout(self, tree: PyTree) -> LayoutDescription:
@@ -212,16 +210,6 @@ class ShardedStrategy(MeshStrategy):
         return LayoutDescription(tuple(rows), self.devices_per_replica, tuple(unmatched))
 
     # Hooks of Strategy and MeshStrategy.
-
-    @property
-    def _batch_layout(self) -> ReplicaLayout:
-        return ReplicaLayout(
-            self._stacked_sharding,
-            num_replicas=self._num_replicas,
-            stacked=True,
-            local_replicas=self._local_replica_ids,
-            split_sharding=self._split_stacked if self.devices_per_replica > 1 else None,
-        )
 
     @property
     def _run_input_shardings(self) -> Callable[[PyTree], PyTree]:
@@ -261,7 +249,7 @@ class ShardedStrategy(MeshStrategy):
         check_replica_count(tree, self._num_replicas, caller=caller, describe=describe or _describe_tree_path)
         units, treedef = _units(tree)
         self._rules.warn_unmatched([path for path, _ in units], caller)
-        return jax.tree.unflatten(treedef, [self._unit_layout(path, unit, caller)[1] for path, unit in units])
+        return jax.tree.unflatten(treedef, [self._unit_sharding(path, unit, caller) for path, unit in units])
 
     def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
         if (
@@ -271,7 +259,7 @@ class ShardedStrategy(MeshStrategy):
         ):
             stacked = leaf.stacked
             if not self._on_mesh(stacked) or not _split_only_within(stacked, stacked_first=True):
-                stacked = jax.device_put(stacked, self._per_replica_sharding(stacked.shape[1:]))
+                stacked = jax.device_put(stacked, self._stacked_sharding)
             return tuple(
                 self._part_on_replica(stacked, i, stacked_first=True) for i in self._local_replica_ids
             )
@@ -284,7 +272,7 @@ class ShardedStrategy(MeshStrategy):
 
     def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
         stacked = np.stack([np.asarray(part) for part in parts])
-        return jax.device_put(stacked, self._per_replica_sharding(stacked.shape[1:]))
+        return jax.device_put(stacked, self._stacked_sharding)
 
     def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
         return (
@@ -294,13 +282,6 @@ class ShardedStrategy(MeshStrategy):
         )
 
     # Helpers.
-
-    def _per_replica_sharding(self, component_shape: tuple[int, ...]) -> NamedSharding:
-        """Where a PerReplica's components go: each on its replica, split along its first axis
-        over the replica's devices when they divide it (a batch), else whole on each."""
-        s = self.devices_per_replica
-        split = s > 1 and len(component_shape) >= 1 and component_shape[0] % s == 0
-        return self._split_stacked if split else self._stacked_sharding
 
     def _leaf_layout(
         self, path: Sequence[Any], leaf: Any, caller: str, follows: tuple[PartitionSpec, str] | None = None
@@ -312,11 +293,11 @@ class ShardedStrategy(MeshStrategy):
         shape, dtype = _shape_and_dtype(leaf)
         return self._rules.leaf(path, shape, dtype, declared=declared, follows=follows, caller=caller)
 
-    def _unit_layout(self, path: Sequence[Any], unit: Any, caller: str) -> tuple[Any, NamedSharding]:
+    def _unit_sharding(self, path: Sequence[Any], unit: Any, caller: str) -> NamedSharding:
+        """Where a leaf goes by the rules; a PerReplica's components whole on their replicas."""
         if isinstance(unit, PerReplica):
-            stacked = unit.stacked
-            return unit, self._per_replica_sharding(tuple(np.shape(stacked))[1:])
-        return unit, NamedSharding(self._mesh, self._leaf_layout(path, unit, caller).spec)
+            return self._stacked_sharding
+        return NamedSharding(self._mesh, self._leaf_layout(path, unit, caller).spec)
 
     def _inputs_layout(self, args_and_kwargs: PyTree) -> PyTree:
         """Where `run` and `init` place their inputs: an array already on this mesh where it is,
@@ -330,7 +311,7 @@ class ShardedStrategy(MeshStrategy):
             if isinstance(array, jax.Array) and not is_tracer(array) and self._on_mesh(array):
                 shardings.append(array.sharding)
             elif isinstance(unit, PerReplica):
-                shardings.append(self._per_replica_sharding(tuple(np.shape(array))[1:]))
+                shardings.append(self._stacked_sharding)
             else:
                 shardings.append(NamedSharding(self._mesh, self._leaf_layout(path[2:], unit, caller).spec))
         return jax.tree.unflatten(treedef, shardings)
@@ -344,8 +325,8 @@ class ShardedStrategy(MeshStrategy):
         laid_out = []
         for path, unit in units:
             if isinstance(unit, PerReplica):
-                where = self._per_replica_sharding(tuple(unit.stacked.shape[1:]))
-                laid_out.append(PerReplica(jax.lax.with_sharding_constraint(unit.stacked, where)))
+                stacked = jax.lax.with_sharding_constraint(unit.stacked, self._stacked_sharding)
+                laid_out.append(PerReplica(stacked))
                 continue
             shape = tuple(np.shape(unit))
             spec = self._leaf_layout(path, unit, caller, follows=follow_spec(path, shape, followed)).spec
