@@ -277,3 +277,32 @@ def test_no_warnings_in_a_plain_training_loop():
         for i in range(5):
             params = strategy.run(step, args=(params, np.float32(i)))
     np.testing.assert_allclose(params["w"], 1 - 0.1 * sum(range(5)), atol=1e-6)
+
+
+# --- the replica axis, of size 1 (issue 28, item 2) --------------------------------------------
+
+
+def test_code_written_for_many_devices_names_the_replica_axis_here_too():
+    strategy = jaxstrategy.OneDeviceStrategy()
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(
+        np.asarray(strategy.run(lambda x: jax.lax.psum(x, "replica"), args=(x,))), x
+    )
+    np.testing.assert_array_equal(
+        np.asarray(strategy.run(lambda x: jax.lax.pmean(x, "replica"), args=(x,))), x
+    )
+    assert int(strategy.run(lambda: jax.lax.axis_index("replica"))) == 0
+    gathered = strategy.run(lambda x: jax.lax.all_gather(x, "replica"), args=(x,))
+    assert gathered.shape == (1, 3)
+
+
+def test_batch_norm_over_the_replica_axis_runs_on_one_device():
+    from flax import nnx
+
+    strategy = jaxstrategy.OneDeviceStrategy()
+    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    across = strategy.put(nnx.BatchNorm(3, axis_name="replica", rngs=nnx.Rngs(0)))
+    plain = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    out = strategy.run(lambda model, x: model(x), args=(across, data))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain(jnp.asarray(data))), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(across.mean[...]), np.asarray(plain.mean[...]), rtol=1e-6)

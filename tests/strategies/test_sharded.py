@@ -365,3 +365,72 @@ def test_a_rule_clash_names_the_call_that_met_it(cpu_devices):
         ValueError, match=r"^ShardedStrategy\.put\(\): the leaf 'dense1/kernel' matches more than one"
     ):
         strategy.put(_mlp_params())
+
+
+# --- what a review found ----------------------------------------------------------------------
+
+
+def test_arrays_committed_elsewhere_are_moved_on_every_call(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2, min_shard_bytes=0)
+    on_one_device = jax.device_put(_mlp_params(), cpu_devices[0])
+    from_mirrored = jaxstrategy.MirroredStrategy(cpu_devices[:2]).put(_mlp_params())
+    x = np.ones((4, 12), np.float32)
+
+    def step(params, x):
+        return jax.tree.map(lambda p: p * 2, params), x.sum()
+
+    for params in (on_one_device, on_one_device, from_mirrored, strategy.put(_mlp_params()), on_one_device):
+        doubled, _ = strategy.run(step, args=(params, x))
+        np.testing.assert_array_equal(
+            np.asarray(doubled["dense1"]["kernel"]), _mlp_params()["dense1"]["kernel"] * 2
+        )
+        assert_tree_on_strategy(doubled, strategy)
+
+
+def test_values_from_a_function_may_be_prng_keys(sharded_on_every_shape):
+    strategy = sharded_on_every_shape
+    keys = strategy.experimental_distribute_values_from_function(
+        lambda context: jax.random.fold_in(jax.random.key(0), context.replica_id_in_sync_group)
+    )
+    for i, key in enumerate(strategy.experimental_local_results(keys)):
+        expected = jax.random.key_data(jax.random.fold_in(jax.random.key(0), i))
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(key)), np.asarray(expected))
+        assert key.devices() == set(
+            strategy.devices[i * strategy.devices_per_replica : (i + 1) * strategy.devices_per_replica]
+        )
+
+
+def test_init_names_itself_in_layout_errors(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], layout=[("bias", P("shard"))], min_shard_bytes=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^ShardedStrategy\.init\(\): the layout .* from rule 'bias' splits dimension 0 \(of size 10\)",
+    ):
+        strategy.init(lambda: {"bias": jnp.zeros(10)})
+
+
+def test_a_compiled_regex_keeps_its_flags(cpu_devices):
+    import re
+
+    strategy = ShardedStrategy(
+        cpu_devices[:4], layout=[(re.compile("DENSE1/KERNEL", re.IGNORECASE), P(None, "shard"))]
+    )
+    (row,) = [row for row in strategy.describe_layout(_mlp_params()).rows if row.path == "dense1/kernel"]
+    assert row.reason == "rule 'DENSE1/KERNEL'" and row.spec == P(None, "shard")
+
+
+def test_sizes_are_those_of_what_the_devices_hold(cpu_devices):
+    # A float64 numpy leaf is stored as float32 (64-bit types off): 192 KiB, under the default
+    # 256 KiB, whatever its host size (384 KiB).
+    strategy = ShardedStrategy(cpu_devices[:4])
+    host = np.zeros((256, 192))
+    assert strategy.layout_of(host).spec == P()
+    assert strategy.put(host).sharding.spec == strategy.init(lambda: jnp.zeros((256, 192))).sharding.spec
+    (row,) = strategy.describe_layout({"w": host}).rows
+    assert row.dtype == np.float32 and row.bytes_per_device == 256 * 192 * 4
+
+
+def test_equal_specs_written_two_ways_make_equal_strategies(cpu_devices):
+    assert ShardedStrategy(cpu_devices[:4], layout=[("w", P())]) == ShardedStrategy(
+        cpu_devices[:4], layout=[("w", P(None))]
+    )

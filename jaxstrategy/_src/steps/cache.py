@@ -205,7 +205,9 @@ class StepCache:
             compiled, new = entry.jitted("packed", layout.inputs, layout)
         else:
             compiled, new = entry.jitted("positional", layout.for_positional(), layout)
-        if new and self._settle_arrays:
+        # A step compiled before may be called here with arrays elsewhere (its fast call failed
+        # on them): where the layout depends on where arrays are, they are settled every time.
+        if (new or self._layout_key is not None) and self._settle_arrays:
             args, kwargs = layout.settle((args, kwargs))
         try:
             result = compiled(args, kwargs) if kwargs else compiled(*args)

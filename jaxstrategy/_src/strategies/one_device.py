@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstrategy._src.core.device_spec import resolve_device
+from jaxstrategy._src.core.jax_compat import is_tracer
 from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.steps.spmd import REPLICA_AXIS
 from jaxstrategy._src.strategies.strategy import Strategy
@@ -130,8 +131,24 @@ class OneDeviceStrategy(Strategy):
 
     def _replica_program(self, fn: StepFn) -> StepFn:
         def in_replica_context(*args: Any, **kwargs: Any) -> PyTree:
-            with contexts.entered(self, ReplicaContext(self, jnp.zeros((), jnp.int32))):
-                return fn(*args, **kwargs)
+            # The replica axis is bound, of size 1, so that code written for many devices
+            # (`lax.psum(x, 'replica')`, `nnx.BatchNorm(axis_name='replica')`) runs here too.
+            # Nothing is mapped over (`in_axes=None`), so no operation but a collective over
+            # 'replica' sees the axis. The traced leaves go in as arguments, not closed over,
+            # so that Variables rebuilt from them may be written inside, as in `shard_map`.
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            traced = [i for i, leaf in enumerate(leaves) if is_tracer(leaf)]
+
+            def replica(*values: Any) -> PyTree:
+                rebuilt = list(leaves)
+                for i, value in zip(traced, values, strict=True):
+                    rebuilt[i] = value
+                call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
+                with contexts.entered(self, ReplicaContext(self, jnp.zeros((), jnp.int32))):
+                    return fn(*call_args, **call_kwargs)
+
+            bound = jax.vmap(replica, in_axes=None, axis_name=REPLICA_AXIS, axis_size=1)
+            return jax.tree.map(lambda x: x[0], bound(*[leaves[i] for i in traced]))
 
         return in_replica_context
 

@@ -16,10 +16,12 @@ step returns its parameters and optimizer state where they were, and compiles on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -185,7 +187,8 @@ class ShardedStrategy(MeshStrategy):
     def describe_layout(self, tree: PyTree) -> LayoutDescription:
         """A table of how `tree`'s leaves are laid out: path, shape, spec, bytes per device and
         what decided it, with the total per device against the replicated total. It also lists
-        the layout rules that match no leaf.
+        the layout rules that match no leaf. `PerReplica` leaves (values, not variables) are left
+        out: their components live whole on their replicas.
 
         Example:
           >>> import numpy as np, jaxstrategy
@@ -213,7 +216,7 @@ class ShardedStrategy(MeshStrategy):
 
     @property
     def _run_input_shardings(self) -> Callable[[PyTree], PyTree]:
-        return self._inputs_layout
+        return functools.partial(self._inputs_layout, caller="ShardedStrategy.run()")
 
     @property
     def _run_layout_key(self) -> Callable[[PyTree], Hashable]:
@@ -224,24 +227,18 @@ class ShardedStrategy(MeshStrategy):
         return jax.tree.structure
 
     @property
-    def _init_follows_layouts(self) -> bool:
-        return True
+    def _init_input_shardings(self) -> Callable[[PyTree], PyTree]:
+        return functools.partial(self._inputs_layout, caller="ShardedStrategy.init()")
+
+    @property
+    def _init_output_sharding(self) -> None:
+        return None  # `_init_program` lays each output out.
 
     def _replica_program(self, fn: StepFn) -> StepFn:
-        program = super()._replica_program(fn)
-
-        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
-            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs))
-
-        return laid_out
+        return self._laying_out(super()._replica_program(fn), caller="ShardedStrategy.run()")
 
     def _init_program(self, fn: StepFn) -> StepFn:
-        program = self._cross_replica_program(fn)
-
-        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
-            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs))
-
-        return laid_out
+        return self._laying_out(self._cross_replica_program(fn), caller="ShardedStrategy.init()")
 
     def _shardings_for(
         self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
@@ -271,8 +268,14 @@ class ShardedStrategy(MeshStrategy):
         return super()._local_copies(leaf)
 
     def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
-        stacked = np.stack([np.asarray(part) for part in parts])
-        return jax.device_put(stacked, self._stacked_sharding)
+        # Each part, on its replica's first device, copied to the replica's other devices; the
+        # stacked array is made of those copies, without a trip through the host.
+        pieces = []
+        for replica, part in zip(self._local_replica_ids, parts, strict=True):
+            on_replica = jax.device_put(part, NamedSharding(self._replica_meshes[replica], PartitionSpec()))
+            pieces += [shard.data[None] for shard in on_replica.addressable_shards]
+        shape = (self._num_replicas, *parts[0].shape)
+        return jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, pieces)
 
     def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
         return (
@@ -299,10 +302,9 @@ class ShardedStrategy(MeshStrategy):
             return self._stacked_sharding
         return NamedSharding(self._mesh, self._leaf_layout(path, unit, caller).spec)
 
-    def _inputs_layout(self, args_and_kwargs: PyTree) -> PyTree:
+    def _inputs_layout(self, args_and_kwargs: PyTree, *, caller: str) -> PyTree:
         """Where `run` and `init` place their inputs: an array already on this mesh where it is,
         anything else by the rules (a PerReplica split over the replicas)."""
-        caller = f"{type(self).__name__}.run()"
         check_replica_count(args_and_kwargs, self._num_replicas, caller=caller, describe=format_argument_path)
         units, treedef = _units(args_and_kwargs)
         shardings = []
@@ -316,11 +318,18 @@ class ShardedStrategy(MeshStrategy):
                 shardings.append(NamedSharding(self._mesh, self._leaf_layout(path[2:], unit, caller).spec))
         return jax.tree.unflatten(treedef, shardings)
 
-    def _lay_out_outputs(self, outputs: PyTree, inputs: PyTree) -> PyTree:
+    def _laying_out(self, program: StepFn, *, caller: str) -> StepFn:
+        """`program`, its outputs constrained to their layouts (see `_lay_out_outputs`)."""
+
+        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
+            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs), caller=caller)
+
+        return laid_out
+
+    def _lay_out_outputs(self, outputs: PyTree, inputs: PyTree, *, caller: str) -> PyTree:
         """`outputs` constrained to their layouts: each after the input it replaces, else by the
-        rules; a PerReplica split over the replicas."""
+        rules; a PerReplica's components whole on their replicas."""
         followed = self._traced_inputs(inputs)
-        caller = f"{type(self).__name__}.run()"
         units, treedef = _units(outputs)
         laid_out = []
         for path, unit in units:
@@ -405,9 +414,15 @@ def _with_states(tree: PyTree) -> PyTree:
 
 
 def _shape_and_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
+    """The shape and the dtype JAX stores `leaf` as (float32 for a float64 numpy array, with
+    64-bit types off): what a device holds."""
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return tuple(leaf.shape), leaf.dtype
-    return tuple(np.shape(leaf)), np.asarray(leaf).dtype
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+    else:
+        shape, dtype = tuple(np.shape(leaf)), np.asarray(leaf).dtype
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
+        return shape, dtype  # PRNG keys: JAX's own.
+    return shape, jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _describe_tree_path(path: Any) -> str:

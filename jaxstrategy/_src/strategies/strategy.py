@@ -120,8 +120,8 @@ class Strategy(abc.ABC):
     @functools.cached_property
     def _init_steps(self) -> StepCache:
         steps = StepCache(
-            in_shardings=self._run_input_shardings if self._init_follows_layouts else self.sharding,
-            out_shardings=None if self._init_follows_layouts else self.sharding,
+            in_shardings=self._init_input_shardings,
+            out_shardings=self._init_output_sharding,
             program=self._init_program,
             caller=f"{type(self).__name__}.init()",
             scalars_are_static=True,
@@ -170,10 +170,14 @@ class Strategy(abc.ABC):
         return None
 
     @property
-    def _init_follows_layouts(self) -> bool:
-        """Whether `init` places its inputs as `run` does and its program lays its outputs out
-        (ShardedStrategy); else both go on `sharding`."""
-        return False
+    def _init_input_shardings(self) -> jax.sharding.Sharding | Callable[[PyTree], PyTree]:
+        """Where `init` places its inputs (as `_run_input_shardings`)."""
+        return self.sharding
+
+    @property
+    def _init_output_sharding(self) -> jax.sharding.Sharding | None:
+        """Where `init` commits its outputs; None when `_init_program` places them."""
+        return self.sharding
 
     def _init_program(self, fn: StepFn) -> StepFn:
         """What `init` compiles: `fn` in the cross-replica context."""

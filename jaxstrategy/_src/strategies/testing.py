@@ -53,7 +53,9 @@ def assert_tree_on_strategy(tree: PyTree, strategy: Strategy, *, committed: bool
             continue
         replicated = len(expected_devices) > 1 and leaf.sharding.is_fully_replicated
         if not replicated and not strategy._holds_variables_with(leaf.sharding, leaf.ndim):
-            problems.append(f"{where} has sharding {leaf.sharding}, not {strategy.sharding}")
+            problems.append(
+                f"{where} has sharding {leaf.sharding}, not one {strategy!r} places variables with"
+            )
         elif committed and not leaf.committed:
             problems.append(f"{where} is not committed (pass committed=False to allow that)")
     if problems:

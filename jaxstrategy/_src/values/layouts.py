@@ -26,10 +26,9 @@ import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -108,7 +107,8 @@ class LayoutRules:
         self.min_shard_bytes = min_shard_bytes
         self._caller = caller
         self._rules = tuple(_parse_rules(layout, caller))
-        self._warned: set[str] = set()
+        self._warned_rules: set[str] = set()
+        self._warned_leaves: set[str] = set()
 
     @property
     def rules(self) -> tuple[tuple[str, PartitionSpec], ...]:
@@ -163,10 +163,10 @@ class LayoutRules:
 
     def warn_unmatched(self, paths: Sequence[Sequence[Any]], caller: str) -> None:
         """Warn, once per rule and strategy, about rules that decide none of a tree of variables."""
-        unmatched = [source for source in self.unmatched_rules(paths) if f"rule:{source}" not in self._warned]
+        unmatched = [source for source in self.unmatched_rules(paths) if source not in self._warned_rules]
         if not unmatched:
             return
-        self._warned.update(f"rule:{source}" for source in unmatched)
+        self._warned_rules.update(unmatched)
         warnings.warn(
             f"{caller}: the layout rule{'s' if len(unmatched) > 1 else ''} "
             f"{', '.join(repr(s) for s in unmatched)} matched no leaf of the tree. A rule's regex must "
@@ -210,6 +210,8 @@ class LayoutRules:
         size = math.prod(shape) * dtype.itemsize
         if self.shards == 1:
             return PartitionSpec(), "replicated: one device per replica"
+        if not shape:
+            return PartitionSpec(), "replicated: a scalar"
         if size < self.min_shard_bytes:
             return (
                 PartitionSpec(),
@@ -222,13 +224,15 @@ class LayoutRules:
                 entries: list[str | None] = [None] * len(shape)
                 entries[dimension] = SHARD_AXIS
                 return PartitionSpec(*entries), f"default: largest dimension {self.shards} divides"
-        if shape and name not in self._warned:
-            self._warned.add(name)
+        if name not in self._warned_leaves:
+            self._warned_leaves.add(name)
+            leaf = f"the leaf {name!r}" if name else "the tree's one leaf"
+            rule = f"(({name!r}, PartitionSpec()))" if name else "(('.*', PartitionSpec()))"
             warnings.warn(
-                f"{caller}: the leaf {name!r} of shape {tuple(shape)} ({_format_bytes(size)}) is "
-                f"replicated on every device: no dimension of it divides over {self.shards} devices. "
-                "Pad it to a multiple, or give a layout rule that replicates it on purpose "
-                f"(({name!r}, PartitionSpec())) to silence this.",
+                f"{caller}: {leaf} of shape {tuple(shape)} ({_format_bytes(size)}) is replicated on "
+                f"every device: no dimension of it divides over {self.shards} devices. Pad it to a "
+                f"multiple, or give a layout rule that replicates it on purpose {rule} to silence "
+                "this.",
                 stacklevel=caller_stacklevel(),
             )
         return PartitionSpec(), f"replicated: no dimension divides by {self.shards}"
@@ -260,7 +264,7 @@ def _parse_rules(layout: Any, caller: str) -> list[_Rule]:
             raise TypeError(f"{caller}: layout[{i}] must be a (regex, spec) pair; got {pair!r}. {usage}")
         source = pair[0] if isinstance(pair[0], str) else pair[0].pattern
         try:
-            pattern = re.compile(source)
+            pattern = re.compile(source) if isinstance(pair[0], str) else pair[0]  # Its flags kept.
         except re.error as error:
             raise ValueError(f"{caller}: layout[{i}]'s regex {source!r} does not compile: {error}.") from None
         rules.append(
@@ -305,6 +309,8 @@ def as_spec(spec: Any, *, where: str, caller: str) -> PartitionSpec:
             f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {', '.join(others)}; a "
             f"ShardedStrategy's leaves are split over {SHARD_AXIS!r} only.{hint}"
         )
+    while entries and entries[-1] is None:  # P(None) is P(): one spec, one way.
+        entries = entries[:-1]
     if names.count(SHARD_AXIS) > 1:
         raise ValueError(
             f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {SHARD_AXIS!r} twice; "
@@ -426,6 +432,3 @@ def follow_spec(
         if n <= len(keys) and keys[len(keys) - n :] == input_keys and (best is None or n > best[0]):
             best = (n, spec, "/".join(input_keys) or "an argument")
     return None if best is None else (best[1], f"input {best[2]!r}")
-
-
-LayoutFunction = Callable[[Sequence[Any], jax.ShapeDtypeStruct], PartitionSpec]
