@@ -624,8 +624,16 @@ def test_dataset_fn_input_context_rows(two):
 
 def test_dataset_fn_leftover_elements_follow_the_partial_batch_option(two):
     elements = [np.arange(3) + i for i in range(3)]
-    with pytest.raises(ValueError, match=r"got 1 element\(s\) for the 2 replicas at the end of the data"):
+    with pytest.raises(
+        ValueError, match=r"got 1 element\(s\) for the 2 replicas at the end of the data"
+    ) as raised:
         list(two.distribute_datasets_from_function(lambda _: elements))
+    # Not "a multiple of 2", which a per-replica batch of 2 already is (issue 28, item 3).
+    message = str(raised.value)
+    assert (
+        "Each step takes 2 consecutive elements, one per replica, each a whole per-replica batch" in message
+    )
+    assert "a multiple" not in message
     with pytest.warns(UserWarning, match=r"dropped 1 element\(s\) .* \(3 example\(s\)\)"):
         assert (
             len(

@@ -170,7 +170,11 @@ class ReplicaBatcher:
         per_replica = math.ceil(size / self._n)
         if size % self._n:
             what = f"a batch of {size} examples, which does not split evenly over {self._n} replicas"
-            dropped = self._tolerate(what, dropped=size)
+            fix = (
+                f"Make the batch size a multiple of {self._n} and drop the remainder in the source "
+                "(as drop_remainder=True does)"
+            )
+            dropped = self._tolerate(what, fix, dropped=size)
             if dropped is not None:
                 return dropped
         padded = per_replica * self._n
@@ -213,7 +217,17 @@ class ReplicaBatcher:
         else:
             what = ""
         if what:
-            dropped = self._tolerate(what, dropped=len(present) if unbatched else sum(sizes))
+            takes = (
+                f"Each step takes {count} consecutive elements, one per replica, each a whole "
+                "per-replica batch"
+                if self._grouping == "consecutive"
+                else f"Each step takes one element from each of the {count} pipelines, one per replica"
+            )
+            fix = (
+                f"{takes}: batch at the per-replica size (InputContext.get_per_replica_batch_size) with "
+                "drop_remainder=True, and give every replica as many elements"
+            )
+            dropped = self._tolerate(what, fix, dropped=len(present) if unbatched else sum(sizes))
             if dropped is not None:
                 return dropped
         length = None if unbatched else max(sizes)
@@ -233,9 +247,9 @@ class ReplicaBatcher:
                     mask[replica, : _batch_size(part)] = True
         return HostBatch(leaves, first.treedef, mask)
 
-    def _tolerate(self, what: str, *, dropped: int) -> DroppedBatch | None:
-        """Apply the partial-batch policy to `what`: raise, drop it (a `DroppedBatch`), or pad it
-        (None: go on)."""
+    def _tolerate(self, what: str, fix: str, *, dropped: int) -> DroppedBatch | None:
+        """Apply the partial-batch policy to `what`: raise (saying `fix`), drop it (a
+        `DroppedBatch`), or pad it (None: go on)."""
         if self._policy == "pad":
             return None
         if self._policy == "drop":
@@ -245,9 +259,8 @@ class ReplicaBatcher:
             )
         raise ValueError(
             f"{self._caller}: got {what}. Every replica runs the same program on the same shapes, so "
-            f"each step needs equal parts for all {self._n} replicas. Make the batch size a multiple "
-            f"of {self._n} and drop the remainder in the source (as drop_remainder=True does), or "
-            "pass InputOptions(partial_batch='drop') to skip such batches with a warning, or "
+            f"each step needs equal parts for all {self._n} replicas. {fix}; or pass "
+            "InputOptions(partial_batch='drop') to skip such batches with a warning, or "
             "partial_batch='pad' to pad them with zeros and get a mask of the real examples."
         )
 
