@@ -223,7 +223,7 @@ def test_static_options_are_refused_with_objects():
     model = OneDeviceStrategy().put(_Growing())
     with pytest.raises(
         ValueError,
-        match=r"RunOptions' static arguments cannot be combined with Flax NNX objects.*nnx.split",
+        match=r"RunOptions' static arguments cannot be combined with Flax NNX objects.*as a string or an enum member.*nnx.split",
     ):
         OneDeviceStrategy().run(
             lambda m, flag: None, args=(model, True), options=RunOptions(static_argnums=1)

@@ -306,3 +306,19 @@ def test_batch_norm_over_the_replica_axis_runs_on_one_device():
     out = strategy.run(lambda model, x: model(x), args=(across, data))
     np.testing.assert_allclose(np.asarray(out), np.asarray(plain(jnp.asarray(data))), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(across.mean[...]), np.asarray(plain.mean[...]), rtol=1e-6)
+
+
+def test_python_control_flow_on_a_traced_flag_says_how_to_make_it_static():
+    # Issue 28, item 5: JAX's own error pointed into the library and said nothing of run's options.
+    strategy = jaxstrategy.OneDeviceStrategy()
+
+    def step(x, training):
+        return x * 2 if training else x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        strategy.run(step, args=(jnp.ones(2), True))
+    note = "\n".join(raised.value.__notes__)
+    assert "OneDeviceStrategy.run(): fn is compiled once" in note
+    assert "RunOptions(static_argnums=...)" in note and "a string or an enum member" in note
+    static = strategy.run(step, args=(jnp.ones(2), True), options=jaxstrategy.RunOptions(static_argnums=(1,)))
+    assert static.tolist() == [2.0, 2.0]

@@ -342,11 +342,15 @@ class Strategy(abc.ABC):
         """
         # The hot path (see steps/cache.py): a function already compiled for array arguments,
         # called with a tuple of them, that `_admits_fast_call` lets through.
-        if kwargs is None and type(args) is tuple and (options is None or type(options) is RunOptions):
-            result = self._run_steps.call_fast(fn, args, options)
-            if result is not NOT_COMPILED:
-                return result
-        return self._run_checked(fn, args, kwargs, options)
+        try:
+            if kwargs is None and type(args) is tuple and (options is None or type(options) is RunOptions):
+                result = self._run_steps.call_fast(fn, args, options)
+                if result is not NOT_COMPILED:
+                    return result
+            return self._run_checked(fn, args, kwargs, options)
+        except _PYTHON_CONTROL_ON_A_TRACED_VALUE as error:
+            error.add_note(_STATIC_ARGUMENTS_HINT.format(caller=f"{type(self).__name__}.run()"))
+            raise
 
     def _run_state(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
@@ -401,8 +405,9 @@ class Strategy(abc.ABC):
                 if options.static_argnums or options.static_argnames:
                     raise ValueError(
                         f"{caller}: RunOptions' static arguments cannot be combined with Flax NNX "
-                        "objects among the arguments (their state is passed for them). Leave them "
-                        "out, or pass the objects' state (nnx.split) in their place."
+                        "objects among the arguments (their state is passed for them). Pass a "
+                        "flag as a string or an enum member instead, which run treats as static "
+                        "without options; or pass the objects' state (nnx.split) in their place."
                     )
                 donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
             return nnx_objects.run_with_objects(self._run_state, fn, found, caller, donated)
@@ -694,6 +699,22 @@ class Strategy(abc.ABC):
             self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
         )
         return self._init_steps(fn, args, kwargs)
+
+
+# What Python control flow on an argument of `run` raises while `fn` is traced.
+_PYTHON_CONTROL_ON_A_TRACED_VALUE = (
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.ConcretizationTypeError,
+)
+_STATIC_ARGUMENTS_HINT = (
+    "{caller}: fn is compiled once for all values of its array arguments, and Python bools, "
+    "ints and floats passed to run are traced as arrays are, so Python `if`, `bool()`, `int()` "
+    "or `range()` cannot read them. For a flag that chooses what fn does (training=True, a "
+    "mode), pass it as static: RunOptions(static_argnums=...) or static_argnames=..., or as a "
+    "string or an enum member, which run treats as static. For a value that changes every "
+    "step, use jax.lax.cond or jnp.where instead."
+)
 
 
 def get_strategy() -> Strategy:
