@@ -5,12 +5,15 @@ are pytrees committed to them. Code written against `OneDeviceStrategy` is meant
 when the constructor changes to a strategy over more devices.
 """
 
+import os as _os
+
 from jaxstrategy._src.cluster.resolver import ClusterResolver as ClusterResolver
 from jaxstrategy._src.cluster.resolver import SimpleClusterResolver as SimpleClusterResolver
 from jaxstrategy._src.cluster.resolver import TFConfigClusterResolver as TFConfigClusterResolver
 from jaxstrategy._src.core.errors import InvalidDeviceError as InvalidDeviceError
 from jaxstrategy._src.core.errors import JaxStrategyError as JaxStrategyError
 from jaxstrategy._src.core.errors import StrategyContextError as StrategyContextError
+from jaxstrategy._src.core.jax_compat import hide_frames_under as _hide_frames_under
 from jaxstrategy._src.input.datasets import DistributedDataset as DistributedDataset
 from jaxstrategy._src.input.datasets import DistributedIterator as DistributedIterator
 from jaxstrategy._src.input.datasets import OptionalBatch as OptionalBatch
@@ -38,6 +41,9 @@ from jaxstrategy._src.values.per_replica import PerReplica as PerReplica
 from jaxstrategy._src.values.reduce_op import ReduceOp as ReduceOp
 
 __version__ = "0.1.0"
+
+# An error in a user's step points at the user's code, not at the frames of run's wrappers.
+_hide_frames_under(_os.path.dirname(__file__))
 
 # Submodules load on first use: orbax alone takes seconds to import.
 _LAZY_SUBMODULES = ("checkpoint", "nn", "testing")

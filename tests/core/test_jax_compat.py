@@ -23,6 +23,7 @@ ENTRIES = {
     "backends_cache": jax_compat.BACKENDS_CACHE_PATHS,
     "cluster_types": jax_compat.CLUSTER_TYPES_PATHS,
     "distributed_state": jax_compat.DISTRIBUTED_STATE_PATHS,
+    "traceback_exclusion": jax_compat.TRACEBACK_EXCLUSION_PATHS,
 }
 
 
@@ -169,3 +170,23 @@ def test_distributed_state_found_nowhere_is_a_clear_error(monkeypatch):
             RuntimeError, match=rf"cannot reach JAX's distributed runtime: JAX {jax.__version__}"
         ):
             reach()
+
+
+def test_an_error_in_a_step_skips_the_frames_of_runs_wrappers(monkeypatch):
+    # Issue 28, item 5: a tracing error pointed at _src/steps/spmd.py ("blocks[4]"), between the
+    # user's call and the user's step.
+    import traceback
+
+    import jaxstrategy
+
+    monkeypatch.setenv("JAX_TRACEBACK_FILTERING", "auto")
+    strategy = jaxstrategy.MirroredStrategy()
+
+    def step(x):
+        return x @ jnp.ones((3, 4))
+
+    with pytest.raises(TypeError) as raised:
+        strategy.run(step, args=(jnp.ones(5),))
+    frames = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert any(name == __file__ for name in frames)
+    assert not any(name.endswith(("spmd.py", "per_replica.py")) for name in frames), frames

@@ -51,6 +51,10 @@ CLUSTER_TYPES_PATHS = (
 # 0.12.0.1 (where orbax and `jax.experimental.multihost_utils` read it too).
 DISTRIBUTED_STATE_PATHS = ("jax._src.distributed:global_state",)
 
+# JAX's list of source paths whose frames it leaves out of the tracebacks it filters (its own),
+# which libraries built on it add themselves to (equinox does): in 0.10.2 to 0.12.0.1.
+TRACEBACK_EXCLUSION_PATHS = ("jax._src.traceback_util:register_exclusion",)
+
 
 def resolve(paths: Sequence[str]) -> tuple[str, Any] | None:
     """The first of `paths` (`'module:attribute.attribute'`) that resolves, with what it names.
@@ -97,6 +101,18 @@ _backends_are_initialized = resolve(BACKENDS_ARE_INITIALIZED_PATHS)
 _backends_cache = resolve(BACKENDS_CACHE_PATHS)
 _cluster_types = resolve(CLUSTER_TYPES_PATHS)
 _distributed_state = resolve(DISTRIBUTED_STATE_PATHS)
+_traceback_exclusion = resolve(TRACEBACK_EXCLUSION_PATHS)
+
+
+def hide_frames_under(directory: str) -> bool:
+    """Have JAX leave the frames of files under `directory` out of the tracebacks it filters, as
+    it leaves out its own: an error in a user's step then points at the user's code, not at the
+    library's wrappers around it (`JAX_TRACEBACK_FILTERING=off` shows every frame). Returns
+    whether this JAX could be told; where not, the frames stay, which is only noisier."""
+    if _traceback_exclusion is None:
+        return False
+    _traceback_exclusion[1](directory)
+    return True
 
 
 def is_tracer(x: Any) -> bool:
