@@ -35,3 +35,17 @@ def test_a_per_replica_used_as_one_value_says_how_to_combine_it(per_replica_loss
         + r".*strategy\.reduce\(\.\.\.\).*all-reduce the value inside run",
     ):
         use(per_replica_loss)
+
+
+def test_shape_dtype_and_ndim_are_one_replicas_part(cpu_devices):
+    # Issue 28, item 6: code that inspects a batch or an element_spec on one device runs on many.
+    import jax.numpy as jnp
+
+    strategy = jaxstrategy.MirroredStrategy(cpu_devices[:4])
+    dataset = strategy.experimental_distribute_dataset([{"x": np.ones((32, 5), np.float32)}])
+    batch = next(iter(dataset))
+    assert (batch["x"].shape, batch["x"].dtype, batch["x"].ndim) == ((8, 5), jnp.float32, 2)
+    spec = dataset.element_spec["x"]
+    assert (spec.shape, spec.dtype) == ((8, 5), jnp.float32)
+    sharded = jaxstrategy.ShardedStrategy(cpu_devices[:4], num_replicas=2)
+    assert next(iter(sharded.experimental_distribute_dataset([np.ones((32, 5))]))).shape == (16, 5)

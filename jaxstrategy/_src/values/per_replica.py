@@ -33,6 +33,11 @@ class PerReplica:
     host). `jax.tree.map` therefore maps over the stacked array.
 
     Attributes:
+      shape: one component's shape: what each replica's `fn` sees inside `run` (the per-replica
+        batch of a distributed dataset, say). TensorFlow's has none; here, so that code that
+        inspects a batch or an `element_spec` runs on one device and on many alike.
+      dtype: the components' dtype.
+      ndim: one component's number of dimensions.
       stacked: the components stacked along axis 0; `stacked[i]` is replica `i`'s.
       values: the components, as a tuple in replica order (TensorFlow's attribute). When
         `stacked` is split one component per device, as `run` and datasets make it, each is on
@@ -50,6 +55,8 @@ class PerReplica:
       }
       >>> value.stacked.shape, [v.devices() for v in value.values]
       ((2,), [{CpuDevice(id=0)}, {CpuDevice(id=1)}])
+      >>> value.shape, value.dtype.name
+      ((), 'float32')
     """
 
     __slots__ = ("_stacked",)
@@ -64,6 +71,18 @@ class PerReplica:
     @property
     def values(self) -> tuple[Any, ...]:
         return components(self._stacked)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._stacked.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self._stacked.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._stacked.shape) - 1
 
     def __repr__(self) -> str:
         if not _is_concrete(self._stacked):  # A tracer or a ShapeDtypeStruct has no components.
