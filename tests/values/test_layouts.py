@@ -51,7 +51,7 @@ def test_a_rule_matches_the_whole_path_or_trailing_keys():
     rules = _rules([("dense/kernel", P("shard", None))])
     for path in (_path("dense", "kernel"), _path(0, "dense", "kernel"), _path(1, 0, "mu", "dense", "kernel")):
         leaf = rules.leaf(path, (8, 8), np.float32)
-        assert leaf.spec == P("shard") and leaf.reason == "rule 'dense/kernel'"
+        assert leaf.spec == P("shard", None) and leaf.reason == "rule 'dense/kernel'"
     # Not part of a key: 'ense/kernel' is no whole key.
     assert (
         _rules([("ense/kernel", P("shard"))]).leaf(_path("dense", "kernel"), (8, 8), np.float32).spec == P()
@@ -73,7 +73,7 @@ def test_a_declared_spec_comes_before_the_rules_and_a_followed_one_after():
     )
     assert declared.spec == P(None, "shard")
     followed = rules.leaf(_path("w"), (8, 8), np.float32, follows=(P(None, "shard"), "input 'w'"))
-    assert followed.spec == P("shard")
+    assert followed.spec == P("shard", None)
     other = rules.leaf(_path("v"), (8, 8), np.float32, follows=(P(None, "shard"), "input 'v'"))
     assert other.spec == P(None, "shard") and other.reason == "follows input 'v'"
 
@@ -109,9 +109,8 @@ def test_malformed_rules_are_refused_when_the_strategy_is_made(layout, error, me
         _rules(layout)
 
 
-def test_a_spec_is_accepted_as_a_tuple_of_its_entries_and_kept_without_trailing_nones():
+def test_a_spec_is_accepted_as_a_tuple_of_its_entries():
     assert _rules([("w", (None, "shard"))]).rules == (("w", P(None, "shard")),)
-    assert _rules([("w", ("shard", None))]).rules == (("w", P("shard")),)
 
 
 def test_min_shard_bytes_must_be_a_non_negative_int():

@@ -144,7 +144,9 @@ class ShardedStrategy(MeshStrategy):
 
     @property
     def _key(self) -> Hashable:
-        return (self._devices, self._num_replicas, self._rules.rules, self._rules.min_shard_bytes)
+        # P(None) is P(): specs compare without their trailing Nones.
+        rules = tuple((source, _without_trailing_nones(spec)) for source, spec in self._rules.rules)
+        return (self._devices, self._num_replicas, rules, self._rules.min_shard_bytes)
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -377,6 +379,13 @@ class ShardedStrategy(MeshStrategy):
         return jax.make_array_from_single_device_arrays(
             shape, NamedSharding(mesh, PartitionSpec(*spec)), blocks
         )
+
+
+def _without_trailing_nones(spec: PartitionSpec) -> tuple[Any, ...]:
+    entries = tuple(spec)
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return entries
 
 
 def _split_only_within(array: jax.Array, *, stacked_first: bool) -> bool:

@@ -309,8 +309,6 @@ def as_spec(spec: Any, *, where: str, caller: str) -> PartitionSpec:
             f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {', '.join(others)}; a "
             f"ShardedStrategy's leaves are split over {SHARD_AXIS!r} only.{hint}"
         )
-    while entries and entries[-1] is None:  # P(None) is P(): one spec, one way.
-        entries = entries[:-1]
     if names.count(SHARD_AXIS) > 1:
         raise ValueError(
             f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {SHARD_AXIS!r} twice; "
