@@ -66,7 +66,9 @@ nitpick_ignore_regex = [
 
 html_theme = "furo"
 html_title = f"jaxstrategy {release}"
-html_static_path: list[str] = []
+# tables.css lets the wide tables wrap within the page instead of scrolling sideways.
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]
 
 
 # Public names by module. Signatures and docstrings name classes where they are defined

@@ -1,7 +1,9 @@
 """The documentation's pages: their Python examples run, and every public name has an entry.
 
-Each page's ```python blocks run in order in one namespace, as a reader's session would, and a
-`print(...)  # expected` comment must be in what the block printed. A block preceded by a
+Each page's ```python blocks run in order in one namespace, as a reader's session would, and what
+a block says it prints must be in what it printed: a `print(...)  # expected` comment, or, where
+that line would be too long for the site, a `# -> expected` line directly under the code line
+(several such lines in a row are each expected). A block preceded by a
 `% test: skip (reason)` line is shown but not run here (the reason says what runs it instead);
 blocks preceded by `% file: NAME` are files of a pytest project, run with pytest in a subprocess.
 The strict Sphinx build itself (`make docs`, part of `make test`) checks references and links.
@@ -26,7 +28,8 @@ SKIPPED_DIRS = {"_build", "notebooks", "jupyter_execute"}
 PAGES = sorted(path for path in DOCS.rglob("*.md") if not SKIPPED_DIRS & set(path.relative_to(DOCS).parts))
 # An optional marker line, then a fenced block: (marker kind, marker argument, language, code).
 BLOCK = re.compile(r"(?:^% (test|file): ([^\n]*)\n)?^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-EXPECTED = re.compile(r"print\(.*?\)\s*# (.+)")
+EXPECTED = re.compile(r"print\(.*?\)[ \t]*# (.+)")
+EXPECTED_BELOW = re.compile(r"^\s*# -> (.+)$")
 
 # Public modules whose every `__all__` name needs an entry in docs/api/.
 PUBLIC_MODULES = ("jaxstrategy", "jaxstrategy.checkpoint", "jaxstrategy.nn", "jaxstrategy.testing")
@@ -95,8 +98,39 @@ def test_the_page_examples_run_and_print_what_they_say(page: Path):
         # Users run with JAX's standard promotion; optax mixes its int32 step count with floats.
         with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
             exec(compile(code, str(page), "exec"), namespace)
-        for expected in EXPECTED.findall(code):
-            assert expected.strip() in out.getvalue(), f"{expected!r} not printed:\n{out.getvalue()}"
+        check_printed(code, out.getvalue())
+
+
+def expected_outputs(code: str) -> list[str]:
+    """What a block says it prints: trailing `# ...` on print lines, and `# -> ...` lines."""
+    expected = [text.strip() for text in EXPECTED.findall(code)]
+    lines = code.splitlines()
+    for number, line in enumerate(lines):
+        below = EXPECTED_BELOW.match(line)
+        if below is None:
+            continue
+        # Directly under a code line, or under a `# ->` line that is: one anywhere else would look
+        # like a checked output without saying which line prints it.
+        previous = lines[number - 1].strip() if number else ""
+        attached = previous and (not previous.startswith("#") or EXPECTED_BELOW.match(previous))
+        assert attached, f"'# -> {below.group(1)}' is not directly under a code line:\n{code}"
+        expected.append(below.group(1).strip())
+    return expected
+
+
+def check_printed(code: str, printed: str) -> None:
+    for expected in expected_outputs(code):
+        assert expected in printed, f"{expected!r} not printed:\n{printed}"
+
+
+def test_expected_output_may_sit_on_the_line_below():
+    code = "print(sum([1, 2]),\n      'x')\n# -> 3 x\nprint(4)  # 4\nprint(5, 6)\n# -> 5\n# -> 6\n"
+    assert expected_outputs(code) == ["4", "3 x", "5", "6"]
+    check_printed(code, "3 x\n4\n5 6\n")
+    with pytest.raises(AssertionError, match="'3 x' not printed"):
+        check_printed(code, "3 y\n4\n5 6\n")
+    with pytest.raises(AssertionError, match="not directly under a code line"):
+        expected_outputs("print(1)\n\n# -> 1\n")
 
 
 @pytest.mark.slow  # starts pytest in a process of its own

@@ -443,7 +443,8 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
       >>> import tempfile, jax.numpy as jnp
       >>> from jaxstrategy import checkpoint
       >>> directory = tempfile.mkdtemp()
-      >>> checkpoint.save(directory, {'w': jnp.ones(3)}), checkpoint.save(directory, {'w': jnp.zeros(3)})
+      >>> first = checkpoint.save(directory, {'w': jnp.ones(3)})
+      >>> first, checkpoint.save(directory, {'w': jnp.zeros(3)})
       (0, 1)
       >>> checkpoint.restore(directory)['w'].tolist()
       [0.0, 0.0, 0.0]
@@ -491,7 +492,8 @@ def restore(
       >>> directory = tempfile.mkdtemp()
       >>> _ = checkpoint.save(directory, {'w': jnp.arange(3.0)})
       >>> strategy = jaxstrategy.OneDeviceStrategy('/cpu:0')
-      >>> restored = checkpoint.restore(directory, strategy=strategy, target={'w': jnp.zeros(3)})
+      >>> target = {'w': jnp.zeros(3)}
+      >>> restored = checkpoint.restore(directory, strategy=strategy, target=target)
       >>> restored['w'].tolist(), restored['w'].committed
       ([0.0, 1.0, 2.0], True)
     """

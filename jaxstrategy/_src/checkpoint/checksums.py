@@ -113,7 +113,8 @@ def crc32c(data: np.ndarray | bytes) -> int:
       >>> import numpy as np
       >>> hex(crc32c(b'123456789'))  # The standard check value of CRC-32C.
       '0xe3069283'
-      >>> crc32c(np.arange(3, dtype=np.float32)) == crc32c(np.arange(3, dtype=np.float32).tobytes())
+      >>> array = np.arange(3, dtype=np.float32)
+      >>> crc32c(array) == crc32c(array.tobytes())
       True
     """
     if isinstance(data, bytes):

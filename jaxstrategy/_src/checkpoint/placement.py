@@ -39,7 +39,8 @@ class Placement:
     Example:
       >>> import jax, jax.numpy as jnp, jaxstrategy
       >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], min_shard_bytes=16)
-      >>> shardings = placement_of(strategy).shardings({'w': jnp.ones((4, 2)), 'b': [jnp.ones(3)]})
+      >>> tree = {'w': jnp.ones((4, 2)), 'b': [jnp.ones(3)]}
+      >>> shardings = placement_of(strategy).shardings(tree)
       >>> tuple(shardings['w'].spec), tuple(shardings['b/0'].spec)
       (('shard', None), ())
     """

@@ -201,7 +201,8 @@ def run_local_workers(
       >>> from jaxstrategy.testing import run_local_workers
       >>> program = ('import jaxstrategy; s = jaxstrategy.MultiWorkerMirroredStrategy(); '
       ...            'print(s.cluster_resolver.task_id, s.num_replicas_in_sync)')
-      >>> [r.stdout for r in run_local_workers(['-c', program], devices_per_worker=2, timeout=120)]
+      >>> results = run_local_workers(['-c', program], devices_per_worker=2, timeout=120)
+      >>> [r.stdout for r in results]
       ['0 4\\n', '1 4\\n']
     """
     if isinstance(args, str | bytes) or not all(isinstance(arg, str) for arg in args):

@@ -78,7 +78,8 @@ class ClusterResolver:
 
         Example:
           >>> import jaxstrategy
-          >>> resolver = jaxstrategy.SimpleClusterResolver('host0:1234', num_processes=2, process_id=0)
+          >>> resolver = jaxstrategy.SimpleClusterResolver(
+          ...     'host0:1234', num_processes=2, process_id=0)
           >>> resolver.master(), resolver.master(rpc_layer='grpc'), resolver.master('worker', 1)
           ('host0:1234', 'grpc://host0:1234', '')
         """
@@ -142,7 +143,8 @@ class SimpleClusterResolver(ClusterResolver):
 
     Example:
       >>> import jaxstrategy
-      >>> resolver = jaxstrategy.SimpleClusterResolver('10.0.0.1:1234', num_processes=2, process_id=1)
+      >>> resolver = jaxstrategy.SimpleClusterResolver(
+      ...     '10.0.0.1:1234', num_processes=2, process_id=1)
       >>> resolver.task_type, resolver.task_id, resolver.num_processes
       ('worker', 1, 2)
     """
@@ -232,11 +234,16 @@ class TFConfigClusterResolver(ClusterResolver):
     Example:
       >>> import json, os, jaxstrategy
       >>> os.environ['TF_CONFIG'] = json.dumps({
-      ...     'cluster': {'worker': ['localhost:12345', 'localhost:23456'], 'ps': ['localhost:34567']},
+      ...     'cluster': {
+      ...         'worker': ['localhost:12345', 'localhost:23456'],
+      ...         'ps': ['localhost:34567'],
+      ...     },
       ...     'task': {'type': 'worker', 'index': 1}})
       >>> resolver = jaxstrategy.TFConfigClusterResolver()
-      >>> resolver.task_type, resolver.task_id, resolver.process_id, resolver.coordinator_address
-      ('worker', 1, 1, 'localhost:12345')
+      >>> resolver.task_type, resolver.task_id, resolver.process_id
+      ('worker', 1, 1)
+      >>> resolver.coordinator_address
+      'localhost:12345'
       >>> del os.environ['TF_CONFIG']
     """
 

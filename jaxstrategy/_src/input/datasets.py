@@ -535,7 +535,8 @@ class OptionalBatch:
 
     Example:
       >>> import numpy as np, jaxstrategy
-      >>> iterator = iter(jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset([np.ones(1)]))
+      >>> strategy = jaxstrategy.OneDeviceStrategy()
+      >>> iterator = iter(strategy.experimental_distribute_dataset([np.ones(1)]))
       >>> [iterator.get_next_as_optional().has_value() for _ in range(2)]
       [True, False]
     """

@@ -89,10 +89,12 @@ def varying_outputs(jaxpr: ClosedJaxpr | Jaxpr, varying_inputs: Sequence[bool], 
       ...     return x * w, jax.lax.psum(x * w, 'replica'), w + 1
       >>> found = []
       >>> def body(x, w):
-      ...     found.extend(varying_outputs(jax.make_jaxpr(replica_fn)(x, w), [True, False], 'replica'))
+      ...     jaxpr = jax.make_jaxpr(replica_fn)(x, w)
+      ...     found.extend(varying_outputs(jaxpr, [True, False], 'replica'))
       ...     return x
-      >>> _ = jax.shard_map(body, mesh=mesh, in_specs=(P('replica'), P()), out_specs=P('replica'),
-      ...                   check_vma=False)(jax.numpy.ones(2), 1.0)
+      >>> _ = jax.shard_map(
+      ...     body, mesh=mesh, in_specs=(P('replica'), P()), out_specs=P('replica'),
+      ...     check_vma=False)(jax.numpy.ones(2), 1.0)
       >>> found
       [True, False, False]
     """

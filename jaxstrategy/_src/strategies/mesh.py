@@ -134,7 +134,8 @@ class MeshStrategy(Strategy):
         Example:
           >>> import jaxstrategy
           >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
-          >>> ids = strategy.run(lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group)
+          >>> replica_id = lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group
+          >>> ids = strategy.run(replica_id)
           >>> [(int(i), i.devices()) for i in strategy.experimental_local_results(ids)]
           [(0, {CpuDevice(id=0)}), (1, {CpuDevice(id=1)})]
         """

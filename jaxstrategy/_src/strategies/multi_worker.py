@@ -108,7 +108,8 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
     Example:
       >>> import jaxstrategy
-      >>> strategy = jaxstrategy.MultiWorkerMirroredStrategy()  # No cluster here: this process alone.
+      >>> # No cluster here: this process alone.
+      >>> strategy = jaxstrategy.MultiWorkerMirroredStrategy()
       >>> strategy.cluster_resolver.num_processes, strategy.cluster_resolver.task_type
       (1, None)
       >>> strategy.num_replicas_in_sync

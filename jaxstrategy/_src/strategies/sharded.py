@@ -94,7 +94,8 @@ class ShardedStrategy(MeshStrategy):
       ...     grads = jax.grad(lambda p: jnp.sum(x @ p['w'] + p['b']))(params)
       ...     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
       >>> new = strategy.run(step, args=(params, jnp.ones((3, 4))))
-      >>> [shard.data.shape for shard in new['w'].addressable_shards], round(float(new['w'][0, 0]), 4)
+      >>> shapes = [shard.data.shape for shard in new['w'].addressable_shards]
+      >>> shapes, round(float(new['w'][0, 0]), 4)
       ([(2, 2), (2, 2)], 0.7)
     """
 

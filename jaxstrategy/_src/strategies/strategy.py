@@ -325,7 +325,8 @@ class Strategy(abc.ABC):
         Example:
           >>> import jaxstrategy
           >>> strategy = jaxstrategy.OneDeviceStrategy()
-          >>> out = strategy.run(lambda x, scale: {'y': x * scale}, args=(3,), kwargs={'scale': 2.0})
+          >>> fn = lambda x, scale: {'y': x * scale}
+          >>> out = strategy.run(fn, args=(3,), kwargs={'scale': 2.0})
           >>> out['y'].tolist(), out['y'].committed
           (6.0, True)
 
@@ -578,7 +579,8 @@ class Strategy(abc.ABC):
           >>> import warnings, numpy as np, jaxstrategy
           >>> with warnings.catch_warnings(record=True) as caught:
           ...     warnings.simplefilter('always')
-          ...     inputs = jaxstrategy.OneDeviceStrategy().experimental_distribute_datasets_from_function(
+          ...     strategy = jaxstrategy.OneDeviceStrategy()
+          ...     inputs = strategy.experimental_distribute_datasets_from_function(
           ...         lambda context: [np.ones(2)])
           >>> caught[0].category.__name__, [batch.shape for batch in inputs]
           ('DeprecationWarning', [(2,)])

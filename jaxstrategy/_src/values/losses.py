@@ -139,7 +139,8 @@ def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp, jaxstrategy
       >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
-      >>> strategy.run(lambda: jaxstrategy.nn.scale_regularization_loss(jnp.array([1.0, 3.0]))).tolist()
+      >>> scaled = lambda: jaxstrategy.nn.scale_regularization_loss(jnp.array([1.0, 3.0]))
+      >>> strategy.run(scaled).tolist()
       2.0
     """
     _require_replica_context("jaxstrategy.nn.scale_regularization_loss()", "call it inside Strategy.run")
