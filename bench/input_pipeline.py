@@ -55,6 +55,7 @@ from bench_util import count_compiles
 from flax import nnx
 
 import jaxstrategy
+from jaxstrategy._src.input import iterator_state
 
 BATCH = 128
 FEATURES = 784
@@ -415,20 +416,24 @@ def measure_cell(
     return cell
 
 
-def measure_placement_cost(sharding: jax.sharding.Sharding, calls: int) -> tuple[float, float]:
-    """The per-batch work of jaxstrategy's input thread: (host copy, device_put of the copy).
+def measure_placement_cost(sharding: jax.sharding.Sharding, calls: int) -> tuple[float, float, float]:
+    """The per-batch work of jaxstrategy's input thread: (host copy, fingerprint of the copy,
+    device_put of the copy).
 
     jaxstrategy copies each numpy batch before handing it to `jax.device_put` (with
     `may_alias=True`, since nothing else holds the copy), because JAX may alias (CPU) or still be
-    reading (accelerators) the host memory; the project reports the cost.
+    reading (accelerators) the host memory; the project reports the cost. A source restored by
+    skipping also has each batch's fingerprint taken (a CRC32C, `iterator_state.fingerprint`),
+    which a restore compares.
     """
     batch = random_batch(np.random.default_rng(4))
     copy_s = median_seconds(lambda: [leaf.copy() for leaf in batch], calls)
+    fingerprint_s = median_seconds(lambda: iterator_state.fingerprint(batch), calls)
     copies = [[leaf.copy() for leaf in batch] for _ in range(calls)]  # Made apart, so not timed.
     put_s = median_seconds(
         lambda: jax.block_until_ready(jax.device_put(copies.pop(), sharding, may_alias=True)), calls
     )
-    return copy_s, put_s
+    return copy_s, fingerprint_s, put_s
 
 
 def print_table(cells: list[Cell]) -> None:
@@ -497,14 +502,15 @@ def main() -> None:
     for loop in loops.values():
         loop(warm_up, 2)
     compiles = count_compiles()
-    copy_s, put_s = measure_placement_cost(jaxstrategy.OneDeviceStrategy().sharding, 200)
+    copy_s, fingerprint_s, put_s = measure_placement_cost(jaxstrategy.OneDeviceStrategy().sharding, 200)
     print(
         f"jax {jax.__version__}, flax {flax.__version__} on {jax.devices()[0]}; C = {compute_s * 1e3:.2f} "
         f"ms; {args.steps} timed steps per pass, {args.reps} reps per cell"
     )
     print(
         f"jaxstrategy's input thread, per numpy batch: host copy {copy_s * 1e6:.0f} us "
-        f"({copy_s / compute_s:.1%} of C), then device_put {put_s * 1e6:.0f} us "
+        f"({copy_s / compute_s:.1%} of C), its fingerprint {fingerprint_s * 1e6:.0f} us "
+        f"({fingerprint_s / compute_s:.1%} of C), then device_put {put_s * 1e6:.0f} us "
         f"({put_s / compute_s:.1%} of C)\n"
     )
     cells = [

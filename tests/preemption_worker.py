@@ -65,6 +65,24 @@ def _elements(pipeline: int, count: int) -> list[tuple[Any, Any]]:
     ]
 
 
+class Shuffled:
+    """Global batches, each pass in the order of `epoch`: set by the loop from the pass the
+    restored iterator is in (`counter=False`, the right habit), or bumped by each `__iter__`
+    (`counter=True`: it restarts at 0 in a new process, which the restore's check catches)."""
+
+    def __init__(self, batches: list[Any], *, counter: bool):
+        self.batches, self.counter, self.epoch = batches, counter, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = np.random.default_rng(self.epoch).permutation(len(self.batches))
+        if self.counter:
+            self.epoch += 1
+        return (self.batches[i] for i in order)
+
+
 class EpochShuffled:
     """A source whose passes are epochs, each in its own seeded order; its iterator has Grain's
     get_state/set_state protocol, so a pass is restored from its state, epoch included."""
@@ -115,9 +133,13 @@ def train(
     kill_at: int | None = None,
     report: Callable[[int, float], None] = lambda step, loss: None,
     exit_code: int | None = 42,
+    shuffle: str | None = None,
+    kill_now: bool = False,
 ) -> Any:
     """Train (resuming from `directory` if it holds a checkpoint); send this process SIGTERM, from
-    another thread, once step `kill_at` has run. Returns the PreemptionHandler."""
+    another thread, once step `kill_at` has run (with `kill_now`, from this one: the save comes
+    at the next step). `shuffle` ('seeded' or 'counter', one process): the batches in a `Shuffled`
+    source. Returns the PreemptionHandler."""
     num_pipelines, pipeline = jax.process_count(), jax.process_index()
     if num_pipelines > 1 or stateful:
 
@@ -132,7 +154,8 @@ def train(
         global_batch = EXAMPLES_PER_ELEMENT * strategy.num_replicas_in_sync
         x, y = (np.concatenate(parts) for parts in zip(*_elements(pipeline, 24), strict=True))
         batches = [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(0, len(x), global_batch)]
-        dataset = strategy.experimental_distribute_dataset(batches)
+        source = batches if shuffle is None else Shuffled(batches, counter=shuffle == "counter")
+        dataset = strategy.experimental_distribute_dataset(source)
     # Each step takes one element per replica of this process (the list source: one batch).
     local_replicas = len(strategy.extended.worker_devices)
     steps_per_epoch = len(dataset) if dataset.cardinality >= 0 else ELEMENTS_PER_PIPELINE // local_replicas
@@ -141,6 +164,10 @@ def train(
     opt_state = strategy.init(OPTIMIZER.init, params)
 
     checkpointer = checkpoint.Checkpointer(directory)
+    if shuffle == "seeded":
+        # The pass the saved iterator is in: a save at a step that starts a pass holds the pass
+        # before it, all taken.
+        source.epoch = max((checkpointer.latest_step() or 0) - 1, 0) // steps_per_epoch
     handler = checkpoint.PreemptionHandler(checkpointer, strategy, exit_code=exit_code)
     iterator: Iterator[Any] = iter(dataset)
     restored = handler.restore({"params": params, "opt_state": opt_state, "data": iterator})
@@ -154,10 +181,14 @@ def train(
     try:
         for step in handler.steps(epochs * steps_per_epoch, saved):
             if step % steps_per_epoch == 0 and step:
+                if shuffle == "seeded":
+                    source.epoch = step // steps_per_epoch
                 iterator = iter(dataset)  # A new epoch: the next pass.
             params, opt_state, loss = strategy.run(train_step, args=(params, opt_state, next(iterator)))
             report(step, float(loss))
-            if step == kill_at:
+            if step == kill_at and kill_now:
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif step == kill_at:
                 # From another thread, as a scheduler's signal arrives: whenever it does.
                 threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
     finally:
@@ -173,6 +204,8 @@ def main() -> None:
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--kill-at", type=int, help="send SIGTERM to this process after this step")
     parser.add_argument("--kill-process", type=int, default=0, help="which process gets it (-1: all)")
+    parser.add_argument("--kill-now", action="store_true", help="send it from the main thread")
+    parser.add_argument("--shuffle", choices=["seeded", "counter"], help="shuffle the batches each pass")
     args = parser.parse_args()
     if args.strategy == "multi-worker":
         strategy: Any = jaxstrategy.MultiWorkerMirroredStrategy()  # First: it joins the job.
@@ -186,7 +219,14 @@ def main() -> None:
         print(f"loss {step} {loss.hex()}", flush=True)
 
     train(
-        strategy, args.directory, epochs=args.epochs, stateful=args.stateful, kill_at=kill_at, report=report
+        strategy,
+        args.directory,
+        epochs=args.epochs,
+        stateful=args.stateful,
+        kill_at=kill_at,
+        report=report,
+        shuffle=args.shuffle,
+        kill_now=args.kill_now,
     )
     sys.stdout.flush()
 

@@ -158,6 +158,67 @@ def test_two_processes_stop_at_one_step_save_their_own_positions_and_resume_bit_
     assert {**first, **second} == expected, details  # Bit for bit.
 
 
+# --- a shuffled source, in processes of their own ------------------------------------------
+
+# (strategy, epochs, step after which SIGTERM comes): the save comes at the next step, in pass 2
+# (from 0), whose order a counter restarted at 0 does not give: mid-epoch on one device (24
+# batches a pass), at the step that starts pass 3 on four (6 batches a pass; pass 2 all taken).
+SHUFFLED_STOPS = pytest.mark.parametrize(
+    ("strategy", "epochs", "kill_at"),
+    [("one-device", 3, 2 * 24 + 5), ("mirrored", 4, 3 * 6 - 1)],
+    ids=["one-device, mid-epoch", "mirrored-4, at an epoch boundary"],
+)
+
+
+def _run_worker(directory, *args):
+    """The worker as a process of its own, with four CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(directory), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    lines = re.findall(r"^loss (\d+) (\S+)$", done.stdout, re.MULTILINE)
+    return done, {int(step): loss for step, loss in lines}
+
+
+@pytest.mark.slow  # Three processes.
+@SHUFFLED_STOPS
+def test_a_source_shuffled_by_the_restored_pass_number_resumes_bit_for_bit(
+    tmp_path, strategy, epochs, kill_at
+):
+    args = ["--strategy", strategy, "--epochs", str(epochs), "--shuffle", "seeded"]
+    baseline, expected = _run_worker(tmp_path / "baseline", *args)
+    assert baseline.returncode == 0, baseline.stderr
+    stopped, first = _run_worker(tmp_path / "run", *args, "--kill-at", str(kill_at), "--kill-now")
+    assert stopped.returncode == 42, stopped.stderr
+    assert checkpoint.Checkpointer(tmp_path / "run").latest_step() == kill_at + 1
+    resumed, second = _run_worker(tmp_path / "run", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(second) == list(range(kill_at + 1, len(expected)))
+    assert {**first, **second} == expected  # Bit for bit.
+
+
+@pytest.mark.slow  # Two processes.
+@SHUFFLED_STOPS
+def test_a_source_shuffled_by_a_counter_that_restarts_fails_to_resume_rather_than_train_on_other_data(
+    tmp_path, strategy, epochs, kill_at
+):
+    # Before, the restarted process skipped through another pass's order and trained on it.
+    args = ["--strategy", strategy, "--epochs", str(epochs), "--shuffle", "counter"]
+    stopped, first = _run_worker(tmp_path, *args, "--kill-at", str(kill_at), "--kill-now")
+    assert stopped.returncode == 42 and sorted(first) == list(range(kill_at + 1)), stopped.stderr
+    resumed, second = _run_worker(tmp_path, *args)
+    assert resumed.returncode == 1 and second == {}, resumed.stderr
+    assert re.search(
+        r"ValueError: DistributedIterator.set_state\(\): the dataset's source yields other elements on "
+        r"this pass than when the position was saved: .* pass 2 \(from 0\)",
+        resumed.stderr,
+    ), resumed.stderr
+
+
 # --- the handler on its own ------------------------------------------------------------------
 
 

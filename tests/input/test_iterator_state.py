@@ -93,6 +93,7 @@ def test_the_position_counts_what_was_taken_not_what_was_prefetched():
         "elements": [1],
         "source_states": [None],
         "end": False,
+        "fingerprints": [iterator_state.fingerprint([np.full(1, 0, np.int32)])],  # Of element 0.
     }
     json.dumps(iterator.get_state())  # Plain JSON.
     restored = iter(dataset)
@@ -221,7 +222,14 @@ def test_the_end_of_a_pass_and_its_number_are_kept():
     second = iter(dataset)
     next(second)
     second.close()  # Closing is not the end of the pass.
-    assert second.get_state() == {**first.get_state(), "pass": 1, "batches": 1, "elements": [1], "end": False}
+    assert second.get_state() == {
+        **first.get_state(),
+        "pass": 1,
+        "batches": 1,
+        "elements": [1],
+        "end": False,
+        "fingerprints": [iterator_state.fingerprint([np.full(1, 0, np.int32)])],
+    }
     restored = iter(dataset)  # Pass 2 ...
     restored.set_state(first.get_state())  # ... now pass 0, over.
     assert list(restored) == [] and restored.get_state() == first.get_state()
@@ -356,3 +364,126 @@ def test_threads_sharing_an_iterator_count_each_batch_once():
     for thread in threads:
         thread.join()
     assert len(taken) == 100 and iterator.get_state()["elements"] == [100]
+
+
+# --- a shuffled source's resume is checked --------------------------------------------------
+
+
+class EpochShuffled:
+    """Global batches of 4 rows, each pass in the order of `epoch`, which the loop sets: from the
+    pass number the restored iterator is in, after a restart (the right habit)."""
+
+    def __init__(self, count=6):
+        self.elements = [np.full((4, 2), i, np.int32) for i in range(count)]
+        self.epoch = 0
+
+    def __iter__(self):
+        order = np.random.default_rng(self.epoch).permutation(len(self.elements))
+        return (self.elements[i] for i in order)
+
+
+class CounterShuffled(EpochShuffled):
+    """Shuffled by a counter each `__iter__` bumps, which restarts at 0 in a new process."""
+
+    def __iter__(self):
+        pass_ = super().__iter__()
+        self.epoch += 1
+        return pass_
+
+
+STRATEGIES = pytest.mark.parametrize(
+    "make_strategy",
+    [jaxstrategy.OneDeviceStrategy, jaxstrategy.MirroredStrategy],
+    ids=["one-device", "mirrored-4"],
+)
+# Where pass 2 is saved: after 4 of its 6 batches; after all 6 (a save at the epoch boundary);
+# after the end was seen too (a save after `for batch in iterator`).
+WHERE = pytest.mark.parametrize("taken", [4, 6, "end"], ids=["mid-epoch", "all taken", "ended"])
+
+
+def _uninterrupted(strategy):
+    source = EpochShuffled()
+    dataset = strategy.experimental_distribute_dataset(source)
+    passes = []
+    for epoch in range(4):
+        source.epoch = epoch
+        passes.append([_values(batch) for batch in dataset])
+    return passes
+
+
+def _saved_in_pass_2(source_type, strategy, taken):
+    """The state of pass 2 (from 0) once `taken` of its batches were taken, in a first run."""
+    source = source_type()
+    dataset = strategy.experimental_distribute_dataset(source)
+    for epoch in range(3):
+        if source_type is EpochShuffled:
+            source.epoch = epoch
+        iterator = iter(dataset)
+        if epoch < 2:
+            list(iterator)
+    for _ in iterator if taken == "end" else range(taken):
+        next(iterator, None)
+    return iterator.get_state()
+
+
+CHANGED = (
+    r"DistributedIterator.set_state\(\): the dataset's source yields other elements on this pass "
+    r"than when the position was saved: its element (3|5) \(from 0\), the last taken before the save, "
+    r"differs .* resuming would train on other data. The saved position is in pass 2 \(from 0\) .* "
+    r"seed its shuffle .* by that pass number, set before restoring, not by a counter that restarts "
+    r"at 0 .* get_state\(\) and set_state\(\), as Grain's have, .* docs/checkpoints.md\."
+)
+
+
+@STRATEGIES
+@WHERE
+def test_a_source_seeded_by_the_pass_number_resumes_on_the_batches_it_stopped_at(make_strategy, taken):
+    strategy = make_strategy()
+    expected = _uninterrupted(strategy)
+    assert expected[2] != expected[1]  # Each pass in its own order.
+    state = _saved_in_pass_2(EpochShuffled, strategy, taken)
+    source = EpochShuffled()  # The restart: a new source, seeded by the pass the state is in.
+    source.epoch = state["pass"]
+    dataset = strategy.experimental_distribute_dataset(source)
+    iterator = iter(dataset)
+    iterator.set_state(state)
+    rest = [_values(batch) for batch in iterator]
+    source.epoch = 3
+    assert rest + [_values(batch) for batch in dataset] == expected[2][4 if taken == 4 else 6 :] + expected[3]
+
+
+@STRATEGIES
+@WHERE
+def test_a_source_shuffled_by_a_counter_that_restarts_at_0_is_an_error_not_other_data(make_strategy, taken):
+    # Before, the restart skipped through pass 1's order (the counter's, in the new process) and
+    # trained on other batches than the uninterrupted run, without a word.
+    strategy = make_strategy()
+    state = _saved_in_pass_2(CounterShuffled, strategy, taken)
+    iterator = iter(strategy.experimental_distribute_dataset(CounterShuffled()))
+    with pytest.raises(ValueError, match=CHANGED):
+        iterator.set_state(state)
+
+
+@STRATEGIES
+def test_a_position_saved_before_fingerprints_restores_unchecked(make_strategy):
+    strategy = make_strategy()
+    state = _saved_in_pass_2(CounterShuffled, strategy, 3)
+    del state["fingerprints"]
+    iterator = iter(strategy.experimental_distribute_dataset(CounterShuffled()))
+    iterator.set_state(state)  # As before: no check, and no warning (warnings are errors here).
+    assert len(list(iterator)) == 3
+
+
+def test_a_fingerprint_sums_dtype_shape_and_bytes_and_only_the_ends_of_a_large_leaf():
+    fingerprint = iterator_state.fingerprint
+    x = np.arange(6, dtype=np.int32)
+    others = [x + 1, x.reshape(2, 3), x.view(np.float32), x.astype(np.int64)]
+    assert len({fingerprint([x]), *(fingerprint([y]) for y in others)}) == 5
+    assert fingerprint([x, x]) != fingerprint([x])
+    assert fingerprint([jnp.asarray(x)]) == fingerprint([jnp.asarray(x + 1)])  # Not read back.
+    large = np.zeros(iterator_state._SUMMED_BYTES, np.int32)  # 4 bytes each: twice the limit and more.
+    middle = large.copy()
+    middle[len(large) // 2] = 1
+    ends = large.copy()
+    ends[-1] = 1
+    assert fingerprint([middle]) == fingerprint([large]) != fingerprint([ends])

@@ -28,6 +28,7 @@ from jaxstrategy._src.input.iterator_state import (
     PassPosition,
     SourceMark,
     SourceReader,
+    fingerprint,
     is_stateful,
     resume_sources,
 )
@@ -37,6 +38,7 @@ from jaxstrategy._src.input.replica_batches import (
     DroppedBatch,
     Grouping,
     HostBatch,
+    HostElement,
     ReplicaBatcher,
     ReplicaLayout,
 )
@@ -219,8 +221,13 @@ class DistributedDataset:
         self._next_pass_index = position.pass_index + 1
         # Reading, copying and laying out batches happen with placement: in the producer thread,
         # or, without one, in the thread that takes the batch.
+        # Each element's fingerprint is taken here too, from its private host copy before it is
+        # placed: only the number is kept (see `iterator_state`).
         batches: Iterator[HostBatch | DroppedBatch] = self._batcher.batches(
-            [host_elements(reader, keep_jax_arrays=self._keep_jax_arrays) for reader in readers]
+            [
+                reader.fingerprinted(host_elements(reader, keep_jax_arrays=self._keep_jax_arrays), _leaves)
+                for reader in readers
+            ]
         )
         stopped = threading.Event()
         if self._agreement_namespace is not None:
@@ -243,12 +250,25 @@ class DistributedDataset:
 
     def _resume_pass(self, position: PassPosition, *, caller: str) -> _Pass:
         """A new pass at `position`: the sources restored, or read up to it (see `iterator_state`)."""
-        if position.end:  # Nothing is left to read: no source is started.
+        if position.end:
+            # Nothing is left to read; but a source restored by skipping is read to its last
+            # element again, to check it is the pass that was saved (a save after each epoch
+            # saves one that ended), since the next pass follows from it.
+            if any(saved is not None for saved in position.fingerprints):
+                resume_sources(
+                    self._start_passes, position, fingerprint_of=self._fingerprint_of, caller=caller
+                )
             self._passes_started += 1
             self._next_pass_index = position.pass_index + 1
             return _Pass(PrefetchIterator(iter(()), self._place_marked, 0), self._batches)
-        readers = resume_sources(self._start_passes, position, caller=caller)
+        readers = resume_sources(
+            self._start_passes, position, fingerprint_of=self._fingerprint_of, caller=caller
+        )
         return self._start_pass(readers, position)
+
+    def _fingerprint_of(self, element: Any) -> int:
+        """The fingerprint of a source's element, of its host copy as a pass takes it."""
+        return fingerprint(next(host_elements(iter([element]), keep_jax_arrays=self._keep_jax_arrays)).leaves)
 
     def _require_restorable(self, caller: str) -> None:
         if self._unrestorable:
@@ -294,6 +314,10 @@ class DistributedDataset:
             self._next_pass = iterator
             return spec
         return self._batches.element_spec
+
+
+def _leaves(element: HostElement) -> list[Any]:
+    return element.leaves
 
 
 # A placed batch (or a dropped one) and its sources' positions once it is taken.
@@ -432,8 +456,9 @@ class DistributedIterator:
         ahead: `pass` (which pass of the dataset this is, from 0), `batches` (the batches taken),
         `elements` (per input pipeline, the source elements those batches used), `source_states`
         (per pipeline, the state of a source whose iterator has `get_state()`/`set_state()`, such
-        as Grain's, else None) and `end` (the pass is over). In a job of several processes each
-        process has its own position; checkpoints save each one.
+        as Grain's, else None), `end` (the pass is over) and `fingerprints` (per pipeline, a CRC32C
+        of the last element taken from a source restored by skipping, else None). In a job of
+        several processes each process has its own position; checkpoints save each one.
 
         Raises:
           TypeError: the dataset reads a one-shot iterator (a generator object) without
@@ -475,7 +500,9 @@ class DistributedIterator:
             `get_state()`/`set_state()`.
           ValueError: `state` is malformed or of another dataset: another number of input
             pipelines, a source that ends before the saved position, or a saved source state where
-            the source now has none.
+            the source now has none; or a source restored by skipping yields another element at
+            the position than it did when the state was saved (a shuffle seeded by a counter that
+            restarts at 0, not by the pass number). A pass that ended is read again for that check.
         """
         caller = "DistributedIterator.set_state()"
         self._dataset._require_restorable(caller)

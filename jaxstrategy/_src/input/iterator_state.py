@@ -16,7 +16,14 @@ A source's pass is restored in one of two ways:
 - any other re-iterable source: a new pass is started and the consumed elements are read and
   dropped. That costs what reading them costs (none is copied or placed on a device), and a skip
   that takes longer than `SLOW_SKIP_S` warns. The source must yield the same elements on every
-  pass it starts, as a list does; a shuffle must be seeded, by epoch for instance.
+  pass it starts, as a list does; a shuffle must be seeded, by the pass's number. So the position
+  also holds a fingerprint of each such source's last element taken (`fingerprint`, computed in
+  the thread that reads it, on its host copy), and the restore compares it with the element the
+  new pass yields there: a source shuffled by a counter that restarts at 0 in a new process reads
+  another order, which is an error (a ValueError) rather than training on other data. A
+  pass that ended is read again to its last element for that check. Only that element is
+  compared: two orders that place the same batch there pass, which with shuffled examples is
+  chance alone. Positions saved before fingerprints restore unchecked.
 
 A one-shot source (a generator object) cannot start a new pass, so unless it has the protocol
 its position can never be restored: `get_state` says so rather than save one.
@@ -29,8 +36,12 @@ import dataclasses
 import json
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+import google_crc32c
+import jax
+import numpy as np
 
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.errors import caller_stacklevel
@@ -39,6 +50,14 @@ from jaxstrategy._src.core.errors import caller_stacklevel
 SLOW_SKIP_S = 10.0
 
 _KEYS = ("pass", "batches", "elements", "source_states", "end")
+# Saved since fingerprints were added; a position saved before has none, and restores unchecked.
+_FINGERPRINTS = "fingerprints"
+# A leaf's bytes summed for its fingerprint: all of them up to twice this, else the first and the
+# last this many, so a batch of images costs no more than a small one. 128x784 float32 (392 KiB,
+# summed whole) with 128 int32 labels costs 28-40 us, a copy (`bytes`, which google-crc32c requires)
+# and the sum, beside 9 us for the private copy and 135 us for device_put on CPU
+# (bench/input_pipeline.py); other data in another order differs within the first rows.
+_SUMMED_BYTES = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +69,27 @@ class UnsavableState:
     problem: str
 
 
-# (elements read, encoded state after the last one or None): a source's position.
-SourceMark = tuple[int, str | UnsavableState | None]
+# (elements read, encoded state after the last one or None, fingerprint of the last one or
+# None): a source's position.
+SourceMark = tuple[int, str | UnsavableState | None, int | None]
+
+
+def fingerprint(leaves: Sequence[Any]) -> int:
+    """A CRC32C of an element's leaves: each one's dtype, shape and bytes (at most its first and
+    last `_SUMMED_BYTES`). A jax array counts by dtype and shape only: its bytes may be on a
+    device, and reading them back would cost a transfer per batch."""
+    crc = 0
+    for leaf in leaves:
+        dtype = leaf.dtype  # A PRNG key array's is JAX's own, not numpy's.
+        kind = dtype.str if isinstance(dtype, np.dtype) else str(dtype)
+        crc = google_crc32c.extend(crc, f"{kind}{tuple(leaf.shape)};".encode())
+        if isinstance(leaf, jax.Array):
+            continue
+        data = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+        if data.size > 2 * _SUMMED_BYTES:
+            data = np.concatenate([data[:_SUMMED_BYTES], data[-_SUMMED_BYTES:]])
+        crc = google_crc32c.extend(crc, data.tobytes())
+    return int(crc)
 
 
 def is_stateful(iterator: Any) -> bool:
@@ -120,11 +158,12 @@ class PassPosition:
     batches: int
     elements: tuple[int, ...]
     source_states: tuple[str | UnsavableState | None, ...]
+    fingerprints: tuple[int | None, ...]
     end: bool = False
 
     @classmethod
     def start(cls, pass_index: int, num_sources: int) -> PassPosition:
-        return cls(pass_index, 0, (0,) * num_sources, (None,) * num_sources)
+        return cls(pass_index, 0, (0,) * num_sources, (None,) * num_sources, (None,) * num_sources)
 
     def after(self, marks: tuple[SourceMark, ...], *, taken: int) -> PassPosition:
         """The position once `taken` more batches are taken, the last of them (or a dropped one
@@ -132,8 +171,9 @@ class PassPosition:
         return dataclasses.replace(
             self,
             batches=self.batches + taken,
-            elements=tuple(count for count, _ in marks),
-            source_states=tuple(state for _, state in marks),
+            elements=tuple(count for count, _, _ in marks),
+            source_states=tuple(state for _, state, _ in marks),
+            fingerprints=tuple(fingerprint for _, _, fingerprint in marks),
         )
 
     def as_state(self, *, caller: str) -> dict[str, Any]:
@@ -160,6 +200,7 @@ class PassPosition:
             "elements": list(self.elements),
             "source_states": source_states,
             "end": self.end,
+            _FINGERPRINTS: list(self.fingerprints),
         }
 
     @classmethod
@@ -170,12 +211,13 @@ class PassPosition:
           TypeError: `state` is not such a dict.
           ValueError: its values are malformed, or it was saved for another number of sources.
         """
-        if not isinstance(state, Mapping) or set(state) != set(_KEYS):
+        if not isinstance(state, Mapping) or set(state) - {_FINGERPRINTS} != set(_KEYS):
             raise TypeError(
                 f"{caller}: expected the dict that DistributedIterator.get_state() returns, with the "
-                f"keys {list(_KEYS)}; got {_short(state)}."
+                f"keys {[*_KEYS, _FINGERPRINTS]}; got {_short(state)}."
             )
         elements, states = state["elements"], state["source_states"]
+        fingerprints = state.get(_FINGERPRINTS, ())  # None before fingerprints were saved.
         problems = [
             f"{name}={state[name]!r} is not an int >= 0"
             for name in ("pass", "batches")
@@ -190,9 +232,15 @@ class PassPosition:
             for s in states
         ):
             problems.append("source_states is not a list of None or encoded states")
+        if not isinstance(fingerprints, list | tuple) or not all(
+            f is None or _is_count(f) for f in fingerprints
+        ):
+            problems.append(f"fingerprints={fingerprints!r} is not a list of None or ints >= 0")
         if problems:
             raise ValueError(f"{caller}: malformed iterator state: {'; '.join(problems)}.")
-        if len(elements) != num_sources or len(states) != num_sources:
+        if _FINGERPRINTS not in state:
+            fingerprints = [None] * len(elements)
+        if len(elements) != num_sources or len(states) != num_sources or len(fingerprints) != num_sources:
             raise ValueError(
                 f"{caller}: the state is of a pass over {len(elements)} input pipeline(s), but this "
                 f"dataset reads {num_sources}. Restore it into an iterator of the same dataset, made "
@@ -203,6 +251,7 @@ class PassPosition:
             batches=state["batches"],
             elements=tuple(elements),
             source_states=tuple(None if s is None else json.dumps(s) for s in states),
+            fingerprints=tuple(fingerprints),
             end=state["end"],
         )
 
@@ -218,13 +267,23 @@ def _short(value: Any) -> str:
 
 class SourceReader:
     """One pass over one source: its elements, counting them and, where the source's iterator has
-    the get_state/set_state protocol, noting its state after each (in the thread that reads them)."""
+    the get_state/set_state protocol, noting its state after each (in the thread that reads them).
+    A source without it is restored by skipping, so `fingerprinted` notes each element's
+    fingerprint instead."""
 
-    def __init__(self, iterator: Iterator[Any], *, count: int = 0, state: str | UnsavableState | None = None):
+    def __init__(
+        self,
+        iterator: Iterator[Any],
+        *,
+        count: int = 0,
+        state: str | UnsavableState | None = None,
+        fingerprint: int | None = None,
+    ):
         self._iterator: Any = iterator
         self._stateful = is_stateful(iterator)
         self.count = count
         self.state = state
+        self.fingerprint = fingerprint
 
     def __iter__(self) -> SourceReader:
         return self
@@ -236,28 +295,44 @@ class SourceReader:
             self.state = encode_source_state(self._iterator.get_state(), self._iterator)
         return element
 
+    def fingerprinted(self, elements: Iterator[Any], leaves: Callable[[Any], Sequence[Any]]) -> Iterator[Any]:
+        """`elements` (this reader's, as host copies), noting the fingerprint of each one's
+        `leaves` as it passes, unless the source restores from its own state. Only the number
+        is kept, not the element."""
+        for element in elements:
+            if not self._stateful:
+                self.fingerprint = fingerprint(leaves(element))
+            yield element
+
     @property
     def mark(self) -> SourceMark:
-        return self.count, self.state
+        return self.count, self.state, self.fingerprint
 
 
 def resume_sources(
-    starts: list[Callable[[], Iterator[Any]]], position: PassPosition, *, caller: str
+    starts: list[Callable[[], Iterator[Any]]],
+    position: PassPosition,
+    *,
+    fingerprint_of: Callable[[Any], int],
+    caller: str,
 ) -> list[SourceReader]:
     """New passes over the sources, each at its place in `position`.
 
     A source saved with its own state gets it back through `set_state`; any other is read and its
     first `position.elements[i]` elements dropped, here, in the caller's thread, with a warning
-    when that takes longer than `SLOW_SKIP_S`.
+    when that takes longer than `SLOW_SKIP_S`. The last of those must have the fingerprint saved
+    with the position (`fingerprint_of` computes it from an element as the source yields it),
+    where one was saved.
 
     Raises:
-      ValueError: a source saved with a state has no `set_state` now, or a source ends before the
-        saved number of elements (it is not the source that was saved).
+      ValueError: a source saved with a state has no `set_state` now, a source ends before the
+        saved number of elements (it is not the source that was saved), or its last element
+        skipped is not the one saved (the source yields other elements on this pass).
     """
     readers = []
     skipped, started = 0, time.perf_counter()
-    for index, (start, count, state) in enumerate(
-        zip(starts, position.elements, position.source_states, strict=True)
+    for index, (start, count, state, saved) in enumerate(
+        zip(starts, position.elements, position.source_states, position.fingerprints, strict=True)
     ):
         iterator: Any = start()
         where = f"input pipeline {index}" if len(starts) > 1 else "the dataset's source"
@@ -272,9 +347,10 @@ def resume_sources(
                 )
             iterator.set_state(decode_source_state(state))
         else:
+            element = None
             for read in range(count):
                 try:
-                    next(iterator)
+                    element = next(iterator)
                 except StopIteration:
                     raise ValueError(
                         f"{caller}: {where} ended after {read} elements, but the state says "
@@ -283,7 +359,9 @@ def resume_sources(
                         "same elements on every pass)."
                     ) from None
             skipped += count
-        readers.append(SourceReader(iterator, count=count, state=state))
+            if count and saved is not None and fingerprint_of(element) != saved:
+                raise ValueError(_changed_source(where, count, position.pass_index, caller))
+        readers.append(SourceReader(iterator, count=count, state=state, fingerprint=saved))
     elapsed = time.perf_counter() - started
     if elapsed > SLOW_SKIP_S:
         warnings.warn(
@@ -293,3 +371,16 @@ def resume_sources(
             stacklevel=caller_stacklevel(),
         )
     return readers
+
+
+def _changed_source(where: str, count: int, pass_index: int, caller: str) -> str:
+    return (
+        f"{caller}: {where} yields other elements on this pass than when the position was saved: "
+        f"its element {count - 1} (from 0), the last taken before the save, differs from the one "
+        f"taken then (their fingerprints differ), so resuming would train on other data. The saved "
+        f"position is in pass {pass_index} (from 0) of the dataset, and a source restored by "
+        "skipping must yield that pass's elements again: seed its shuffle (and any random "
+        "augmentation) by that pass number, set before restoring, not by a counter that restarts "
+        "at 0 in a new process; or give its iterator get_state() and set_state(), as Grain's have, "
+        "to be restored from its own state. See 'Several epochs' in docs/checkpoints.md."
+    )
