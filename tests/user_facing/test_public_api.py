@@ -158,7 +158,11 @@ def test_strategy_surface_is_pinned():
     assert tuple(sorted(name for name in dir(multi_worker) if not name.startswith("_"))) == mirrored
     for resolver in (jaxstrategy.SimpleClusterResolver, jaxstrategy.TFConfigClusterResolver):
         assert issubclass(resolver, jaxstrategy.ClusterResolver)
-    assert [name for name in dir(jaxstrategy.PerReplica) if not name.startswith("_")] == ["stacked", "values"]
+    sharded = tuple(sorted(name for name in dir(jaxstrategy.ShardedStrategy) if not name.startswith("_")))
+    added = ("describe_layout", "devices_per_replica", "layout_of")
+    assert sharded == tuple(sorted(mirrored + added))
+    public_of_per_replica = [name for name in dir(jaxstrategy.PerReplica) if not name.startswith("_")]
+    assert public_of_per_replica == ["dtype", "ndim", "shape", "stacked", "values"]
 
 
 def test_tensorflow_signatures_are_kept():
