@@ -876,6 +876,11 @@ class StrategyConformance:
                 lambda x, w: w - 0.1 * all_reduce("mean", local_grad(x, w)),
                 3 - 0.1 * x.mean(),
             ),
+            # Forward mode differentiates the global sum (docs/semantics.md, after the table).
+            "jacfwd of all_reduce(SUM, w*x_r)": (
+                lambda x, w: jax.jacfwd(lambda w: all_reduce("sum", w * x))(w),
+                x.sum(),
+            ),
         }
         for name, (fn, expected) in rows.items():
             out = strategy_under_test.run(fn, args=(xs, w))
