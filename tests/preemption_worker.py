@@ -9,7 +9,9 @@ Input: with one process, `experimental_distribute_dataset` of a list of global b
 by skipping what was taken) or, with `--stateful`, `distribute_datasets_from_function` of a source
 whose iterator has get_state/set_state (restored from its state); with several processes, each
 process reads its own pipeline: process 0 a list, the others the stateful source, so their saved
-positions differ in kind.
+positions differ in kind. With `--source grain` (one process), a Grain pipeline of the same
+examples, shuffled anew each epoch and batched, all the epochs in one pass read by Grain's threads
+(restored from Grain's own state).
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ def _elements(pipeline: int, count: int) -> list[tuple[Any, Any]]:
         )
         for _ in range(count)
     ]
+
+
+def _grain_epochs(examples: list[tuple[Any, Any]], batch_size: int, epochs: int) -> Any:
+    """A Grain pipeline of `examples`, each epoch in its own order, in batches: one pass."""
+    import grain  # Only here: the test extra has it, the library does not need it.
+
+    return (
+        grain.MapDataset.source(examples)
+        .shuffle(seed=5)
+        .repeat(epochs)
+        .batch(batch_size)
+        .to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
+    )
 
 
 class Shuffled:
@@ -135,13 +150,22 @@ def train(
     exit_code: int | None = 42,
     shuffle: str | None = None,
     kill_now: bool = False,
+    source: str = "list",
 ) -> Any:
     """Train (resuming from `directory` if it holds a checkpoint); send this process SIGTERM, from
     another thread, once step `kill_at` has run (with `kill_now`, from this one: the save comes
     at the next step). `shuffle` ('seeded' or 'counter', one process): the batches in a `Shuffled`
-    source. Returns the PreemptionHandler."""
+    source. `source` 'grain' (one process): a Grain pipeline of the examples, one pass for all the
+    epochs. Returns the PreemptionHandler."""
     num_pipelines, pipeline = jax.process_count(), jax.process_index()
-    if num_pipelines > 1 or stateful:
+    one_pass = source == "grain"  # All the epochs in one pass: the loop starts no new one.
+    if one_pass:
+        global_batch = EXAMPLES_PER_ELEMENT * strategy.num_replicas_in_sync
+        x, y = (np.concatenate(parts) for parts in zip(*_elements(pipeline, 24), strict=True))
+        dataset = strategy.experimental_distribute_dataset(
+            _grain_epochs(list(zip(x, y, strict=True)), global_batch, epochs)
+        )
+    elif num_pipelines > 1 or stateful:
 
         def dataset_fn(context: jaxstrategy.InputContext) -> Any:
             elements = _elements(context.input_pipeline_id, ELEMENTS_PER_PIPELINE)
@@ -158,7 +182,12 @@ def train(
         dataset = strategy.experimental_distribute_dataset(source)
     # Each step takes one element per replica of this process (the list source: one batch).
     local_replicas = len(strategy.extended.worker_devices)
-    steps_per_epoch = len(dataset) if dataset.cardinality >= 0 else ELEMENTS_PER_PIPELINE // local_replicas
+    if one_pass:
+        steps_per_epoch = len(x) // global_batch
+    elif dataset.cardinality >= 0:
+        steps_per_epoch = len(dataset)
+    else:
+        steps_per_epoch = ELEMENTS_PER_PIPELINE // local_replicas
 
     params = strategy.init(init_params, jax.random.key(0))
     opt_state = strategy.init(OPTIMIZER.init, params)
@@ -180,7 +209,7 @@ def train(
 
     try:
         for step in handler.steps(epochs * steps_per_epoch, saved):
-            if step % steps_per_epoch == 0 and step:
+            if step % steps_per_epoch == 0 and step and not one_pass:
                 if shuffle == "seeded":
                     source.epoch = step // steps_per_epoch
                 iterator = iter(dataset)  # A new epoch: the next pass.
@@ -206,6 +235,7 @@ def main() -> None:
     parser.add_argument("--kill-process", type=int, default=0, help="which process gets it (-1: all)")
     parser.add_argument("--kill-now", action="store_true", help="send it from the main thread")
     parser.add_argument("--shuffle", choices=["seeded", "counter"], help="shuffle the batches each pass")
+    parser.add_argument("--source", choices=["list", "grain"], default="list", help="grain: a Grain pipeline")
     args = parser.parse_args()
     if args.strategy == "multi-worker":
         strategy: Any = jaxstrategy.MultiWorkerMirroredStrategy()  # First: it joins the job.
@@ -227,6 +257,7 @@ def main() -> None:
         report=report,
         shuffle=args.shuffle,
         kill_now=args.kill_now,
+        source=args.source,
     )
     sys.stdout.flush()
 

@@ -219,6 +219,30 @@ def test_a_source_shuffled_by_a_counter_that_restarts_fails_to_resume_rather_tha
     ), resumed.stderr
 
 
+@pytest.mark.slow  # Three processes.
+@pytest.mark.parametrize(
+    ("strategy", "kill_at"),
+    [("one-device", 24 + 9), ("mirrored", 2 * 6 + 3)],
+    ids=["one-device, mid-epoch 1", "mirrored-4, mid-epoch 2"],
+)
+def test_a_grain_pipeline_resumes_bit_for_bit_from_grain_s_own_state(tmp_path, strategy, kill_at):
+    # Examples shuffled by Grain anew each epoch, batched, three epochs in one pass read by
+    # Grain's threads: no code of the user's own restores the order, Grain's state does.
+    pytest.importorskip("grain")
+    args = ["--strategy", strategy, "--epochs", "3", "--source", "grain"]
+    baseline, expected = _run_worker(tmp_path / "baseline", *args)
+    assert baseline.returncode == 0, baseline.stderr
+    stopped, first = _run_worker(tmp_path / "run", *args, "--kill-at", str(kill_at), "--kill-now")
+    assert stopped.returncode == 42, stopped.stderr
+    assert checkpoint.Checkpointer(tmp_path / "run").latest_step() == kill_at + 1
+    resumed, second = _run_worker(tmp_path / "run", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    # The position holds Grain's state: the batches taken, none skipped to reach it.
+    assert f"'source_states': [{{'json': {{'next_index': {kill_at + 1}}}}}]" in resumed.stdout, resumed.stdout
+    assert sorted(second) == list(range(kill_at + 1, len(expected)))
+    assert {**first, **second} == expected  # Bit for bit.
+
+
 # --- the handler on its own ------------------------------------------------------------------
 
 

@@ -4,8 +4,9 @@ Each page's ```python blocks run in order in one namespace, as a reader's sessio
 a block says it prints must be in what it printed: a `print(...)  # expected` comment, or, where
 that line would be too long for the site, a `# -> expected` line directly under the code line
 (several such lines in a row are each expected). A block preceded by a
-`% test: skip (reason)` line is shown but not run here (the reason says what runs it instead);
-blocks preceded by `% file: NAME` are files of a pytest project, run with pytest in a subprocess.
+`% test: skip (reason)` line is shown but not run here (the reason says what runs it instead),
+one preceded by `% test: requires MODULE` only where MODULE imports (an optional dependency, such as
+grain, which the `test` extra installs); blocks preceded by `% file: NAME` are files of a pytest project, run with pytest in a subprocess.
 The strict Sphinx build itself (`make docs`, part of `make test`) checks references and links.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -44,6 +46,15 @@ def blocks(page: Path) -> list[tuple[str | None, str, str, str]]:
     ]
 
 
+def runs(kind: str | None, argument: str) -> bool:
+    """Whether a block with this marker runs here: unmarked, or marked `requires MODULE` and
+    MODULE is installed (the pages must pass without an optional dependency)."""
+    if kind is None:
+        return True
+    required = re.fullmatch(r"requires ([\w.]+)", argument)
+    return kind == "test" and required is not None and importlib.util.find_spec(required.group(1)) is not None
+
+
 def page_id(page: Path) -> str:
     return str(page.relative_to(DOCS))
 
@@ -51,7 +62,7 @@ def page_id(page: Path) -> str:
 PAGES_WITH_CODE = [
     page
     for page in PAGES
-    if any(language == "python" and kind is None for kind, _, language, _ in blocks(page))
+    if any(language == "python" and runs(kind, argument) for kind, argument, language, _ in blocks(page))
 ]
 
 
@@ -74,7 +85,14 @@ def test_every_skip_marker_gives_a_reason():
     for page in PAGES:
         for kind, argument, _, _ in blocks(page):
             if kind == "test":
-                assert re.fullmatch(r"skip \(.+\)", argument), f"{page_id(page)}: '% test: {argument}'"
+                assert re.fullmatch(r"skip \(.+\)|requires [\w.]+", argument), (
+                    f"{page_id(page)}: '% test: {argument}'"
+                )
+
+
+def test_a_block_that_requires_a_module_runs_only_where_it_imports():
+    assert runs(None, "") and runs("test", "requires json")
+    assert not runs("test", "requires no_such_module_here") and not runs("test", "skip (elsewhere)")
 
 
 # Pages whose examples take over ~2 s (`make test-fast` skips the tests marked slow).
@@ -91,8 +109,8 @@ SLOW_PAGES = {"flax_nnx.md", "checkpoints.md", "sharded.md"}
 )
 def test_the_page_examples_run_and_print_what_they_say(page: Path):
     namespace: dict[str, object] = {"__name__": f"docs.{page.stem}"}
-    for kind, _, language, code in blocks(page):
-        if language != "python" or kind is not None:
+    for kind, argument, language, code in blocks(page):
+        if language != "python" or not runs(kind, argument):
             continue
         out = io.StringIO()
         # Users run with JAX's standard promotion; optax mixes its int32 step count with floats.
