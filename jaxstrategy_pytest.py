@@ -42,13 +42,27 @@ def _mirrored_all() -> Strategy:
     return MirroredStrategy()
 
 
+def _sharded_two_per_replica() -> Strategy:
+    import jax
+
+    from jaxstrategy._src.strategies.sharded import ShardedStrategy
+
+    devices = jax.local_devices()
+    if len(devices) < 2 or len(devices) % 2:
+        pytest.skip("needs an even number of local devices (jaxstrategy.testing.force_cpu_devices(4))")
+    # Leaves from 1 KiB up are split, so that a test's small model is laid out over the devices.
+    return ShardedStrategy(devices, num_replicas=len(devices) // 2, min_shard_bytes=1024)
+
+
 # Every strategy this process can build, by test id. The second one is not JAX's default
 # device, so code that places arrays on the default device instead of the strategy's fails; the
-# third splits batches over every local device (one replica when there is one device).
+# third splits batches over every local device (one replica when there is one device); the
+# fourth splits variables over pairs of devices, each pair one replica.
 STRATEGY_FACTORIES: dict[str, Callable[[], Strategy]] = {
     "OneDeviceStrategy(default)": _one_device_default,
     "OneDeviceStrategy(other)": _one_device_other,
     "MirroredStrategy(all)": _mirrored_all,
+    "ShardedStrategy(2 per replica)": _sharded_two_per_replica,
 }
 
 

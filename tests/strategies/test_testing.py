@@ -113,7 +113,7 @@ def test_the_plugin_does_not_load_jax_into_sessions_that_do_not_use_it(tmp_path)
 
 
 @pytest.mark.slow  # A pytest session in a process of its own.
-@pytest.mark.parametrize(("devices", "expected"), [(2, "4 passed"), (1, "3 passed, 1 skipped")])
+@pytest.mark.parametrize(("devices", "expected"), [(2, "5 passed"), (1, "3 passed, 2 skipped")])
 def test_the_pytest_plugin_gives_fixtures_without_a_conftest(tmp_path, devices, expected):
     (tmp_path / "test_user.py").write_text(_USER_TESTS)
     env = _clean_env() | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
@@ -128,3 +128,4 @@ def test_the_pytest_plugin_gives_fixtures_without_a_conftest(tmp_path, devices, 
     assert expected in done.stdout, done.stdout + done.stderr
     if devices == 1:
         assert "needs a second local device" in done.stdout
+        assert "needs an even number of local devices" in done.stdout
