@@ -189,7 +189,14 @@ def _run_worker(directory, *args):
 def test_a_source_shuffled_by_the_restored_pass_number_resumes_bit_for_bit(
     tmp_path, strategy, epochs, kill_at
 ):
-    args = ["--strategy", strategy, "--epochs", str(epochs), "--shuffle", "seeded"]
+    _stopped_and_resumed_bit_for_bit(
+        tmp_path, ["--strategy", strategy, "--epochs", str(epochs), "--shuffle", "seeded"], kill_at
+    )
+
+
+def _stopped_and_resumed_bit_for_bit(tmp_path, args, kill_at):
+    """Run the worker through, then again stopped by SIGTERM at `kill_at` and restarted: the two
+    runs' losses must be the same, bit for bit. Returns the restarted process."""
     baseline, expected = _run_worker(tmp_path / "baseline", *args)
     assert baseline.returncode == 0, baseline.stderr
     stopped, first = _run_worker(tmp_path / "run", *args, "--kill-at", str(kill_at), "--kill-now")
@@ -199,6 +206,7 @@ def test_a_source_shuffled_by_the_restored_pass_number_resumes_bit_for_bit(
     assert resumed.returncode == 0, resumed.stderr
     assert sorted(second) == list(range(kill_at + 1, len(expected)))
     assert {**first, **second} == expected  # Bit for bit.
+    return resumed
 
 
 @pytest.mark.slow  # Two processes.
@@ -230,17 +238,9 @@ def test_a_grain_pipeline_resumes_bit_for_bit_from_grain_s_own_state(tmp_path, s
     # Grain's threads: no code of the user's own restores the order, Grain's state does.
     pytest.importorskip("grain")
     args = ["--strategy", strategy, "--epochs", "3", "--source", "grain"]
-    baseline, expected = _run_worker(tmp_path / "baseline", *args)
-    assert baseline.returncode == 0, baseline.stderr
-    stopped, first = _run_worker(tmp_path / "run", *args, "--kill-at", str(kill_at), "--kill-now")
-    assert stopped.returncode == 42, stopped.stderr
-    assert checkpoint.Checkpointer(tmp_path / "run").latest_step() == kill_at + 1
-    resumed, second = _run_worker(tmp_path / "run", *args)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = _stopped_and_resumed_bit_for_bit(tmp_path, args, kill_at)
     # The position holds Grain's state: the batches taken, none skipped to reach it.
     assert f"'source_states': [{{'json': {{'next_index': {kill_at + 1}}}}}]" in resumed.stdout, resumed.stdout
-    assert sorted(second) == list(range(kill_at + 1, len(expected)))
-    assert {**first, **second} == expected  # Bit for bit.
 
 
 # --- the handler on its own ------------------------------------------------------------------

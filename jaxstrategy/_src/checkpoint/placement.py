@@ -14,6 +14,7 @@ would have placed it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -32,9 +33,9 @@ class Placement:
       replicated: a sharding that holds a whole copy on each of the strategy's devices
         (`strategy.sharding`): every leaf's, without `layout`, and always the scalars that stand
         for zero-size arrays on disk, which have no dimension to split.
-      layout: from a tree of leaves (arrays, `jax.ShapeDtypeStruct`s, NNX Variables) to a tree of
-        shardings shaped like it, a Variable counting as one leaf (`ShardedStrategy.layout_of`);
-        None when every leaf goes onto `replicated`.
+      layout: from a tree of leaves (arrays, `jax.ShapeDtypeStruct`s, NNX Variables) to where
+        `put` would place them: one sharding for all, or a tree of them shaped like it, a Variable
+        counting as one leaf; None when every leaf goes onto `replicated`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxstrategy
@@ -52,10 +53,11 @@ class Placement:
         """The sharding of each leaf of `tree`, by its path as a checkpoint names it
         (`stored_leaves.path_string`); a Variable's value at the Variable's path and below."""
         units = jax.tree_util.tree_flatten_with_path(tree, is_leaf=nnx_objects.is_variable)[0]
-        if self.layout is None:
-            where = [self.replicated] * len(units)
+        layout = self.replicated if self.layout is None else self.layout(tree)
+        if isinstance(layout, jax.sharding.Sharding):
+            where = [layout] * len(units)
         else:
-            where = jax.tree.leaves(self.layout(tree), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+            where = jax.tree.leaves(layout, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         placed = {}
         for (path, unit), sharding in zip(units, where, strict=True):
             for inner, _ in jax.tree_util.tree_flatten_with_path(unit)[0]:
@@ -64,7 +66,7 @@ class Placement:
 
 
 def placement_of(strategy: Strategy) -> Placement:
-    """Where `strategy` puts restored leaves: by its `layout_of` where it lays out each leaf
-    itself (`ShardedStrategy`), else all onto its `sharding`."""
-    layout_of = getattr(strategy, "layout_of", None)
-    return Placement(strategy.sharding, layout_of if callable(layout_of) else None)
+    """Where `strategy` puts restored leaves: where its `put` places them (leaf by leaf on
+    `ShardedStrategy`, all onto its `sharding` on the others)."""
+    caller = "jaxstrategy.checkpoint.restore()"
+    return Placement(strategy.sharding, functools.partial(strategy._shardings_for, caller=caller))

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxstrategy._src.core.device_spec import spans_processes
-from jaxstrategy._src.core.errors import format_argument_path
+from jaxstrategy._src.core.errors import format_argument_path, format_path
 from jaxstrategy._src.core.jax_compat import is_tracer
 from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
 from jaxstrategy._src.steps import nnx_objects
@@ -246,7 +246,8 @@ class ShardedStrategy(MeshStrategy):
     def _shardings_for(
         self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
     ) -> PyTree:
-        check_replica_count(tree, self._num_replicas, caller=caller, describe=describe or _describe_tree_path)
+        describe = describe or functools.partial(format_path, "tree")
+        check_replica_count(tree, self._num_replicas, caller=caller, describe=describe)
         units, treedef = _units(tree)
         self._rules.warn_unmatched([path for path, _ in units], caller)
         return jax.tree.unflatten(treedef, [self._unit_sharding(path, unit, caller) for path, unit in units])
@@ -315,10 +316,8 @@ class ShardedStrategy(MeshStrategy):
             array = unit.stacked if isinstance(unit, PerReplica) else unit
             if isinstance(array, jax.Array) and not is_tracer(array) and self._on_mesh(array):
                 shardings.append(array.sharding)
-            elif isinstance(unit, PerReplica):
-                shardings.append(self._stacked_sharding)
-            else:
-                shardings.append(NamedSharding(self._mesh, self._leaf_layout(path[2:], unit, caller).spec))
+            else:  # By the rules, the path past the argument.
+                shardings.append(self._unit_sharding(path[2:], unit, caller))
         return jax.tree.unflatten(treedef, shardings)
 
     def _laying_out(self, program: StepFn, *, caller: str) -> StepFn:
@@ -433,7 +432,3 @@ def _shape_and_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
     if jnp.issubdtype(dtype, jax.dtypes.extended):
         return shape, dtype  # PRNG keys: JAX's own.
     return shape, jax.dtypes.canonicalize_dtype(dtype)
-
-
-def _describe_tree_path(path: Any) -> str:
-    return "tree" + jax.tree_util.keystr(tuple(path))
