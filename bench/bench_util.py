@@ -34,14 +34,17 @@ Loop = Callable[[int], float]
 # (each in a lambda, say) so that neither alone pays for an extra Python frame per call.
 
 
-def call_loop(call: Callable[[], Any]) -> Loop:
-    """Time `call()`; the timed region ends with `jax.block_until_ready` on the last output."""
+def call_loop(call: Callable[[], Any], wait_every: int = 0) -> Loop:
+    """Time `call()`, waiting for every `wait_every`-th call's output when it is not 0; the timed
+    region ends with `jax.block_until_ready` on the last output."""
 
     def loop(n: int) -> float:
         start = time.perf_counter()
         out = None
-        for _ in range(n):
+        for i in range(n):
             out = call()
+            if wait_every and i % wait_every == wait_every - 1:
+                jax.block_until_ready(out)
         jax.block_until_ready(out)
         return (time.perf_counter() - start) / n
 

@@ -216,7 +216,7 @@ def test_a_compiled_step_never_runs_with_another_input_layout(two):
     whole = np.ones(2, np.float32)
     split = PerReplica(np.array([1.0, 2.0], np.float32))  # On the host: jit would place it anyhow.
     two.run(step, args=(whole,))
-    compiled_for_whole = two._run_steps._fast[function_key(step)]
+    compiled_for_whole = two._run_steps.fast_entries[function_key(step)]
     with pytest.raises(LayoutChanged):
         compiled_for_whole(split)
     assert _local(two, two.run(step, args=(split,))) == [2.0, 4.0]  # run takes the slow path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -77,28 +79,55 @@ def require_representable(
 
 
 _WIDE_NUMPY_SCALARS = frozenset({np.int64, np.uint64, np.float64})
-# Python number types, which never hold a 64-bit host value (JAX checks Python ints' range
-# itself); by exact type, since numpy's float64 is a subclass of float.
-_PYTHON_NUMBER_TYPES = frozenset(PYTHON_SCALARS)
+# Leaf types that never hold a 64-bit host value: Python numbers (JAX checks a Python int's range
+# itself), by exact type since numpy's float64 subclasses float, and every JAX array type seen so
+# far (`has_wide_host_leaf` adds them as it meets them: arrays and tracers are 32-bit already). A
+# set of types lets `run`'s hot path ask its question at C speed, with no Python call per leaf:
+# `NARROW_LEAF_TYPES.issuperset(map(type, leaves))`. It only ever grows (atomically, under the GIL).
+NARROW_LEAF_TYPES: set[type] = set(PYTHON_SCALARS)
 
 
 def has_wide_host_leaf(tree: PyTree) -> bool:
     """Whether `tree` holds a 64-bit numpy integer or float: a leaf `require_representable` checks.
 
-    Cheap enough for `run`'s hot path, which sends trees holding one to the checked path.
+    Cheap enough for `run`'s hot path, which sends trees holding one to the checked path: every
+    step is done in C (flattening, the leaves' types, the numpy arrays' dtypes), and Python looks
+    only at each distinct type and dtype.
+
+    Example:
+      >>> has_wide_host_leaf({'w': jnp.ones(3), 'step': 1})
+      False
+      >>> has_wide_host_leaf([np.arange(3, dtype=np.int64)])
+      True
     """
-    if type(tree) is tuple and all(
-        type(arg) in _PYTHON_NUMBER_TYPES or isinstance(arg, jax.Array) for arg in tree
-    ):
-        return False  # Spares the flattening: run's arguments are often arrays and numbers.
-    return any(map(is_wide_host_leaf, jax.tree.leaves(tree)))
+    leaves = jax.tree.leaves(tree)
+    kinds = set(map(type, leaves))
+    if kinds <= NARROW_LEAF_TYPES:
+        return False
+    unknown = kinds - NARROW_LEAF_TYPES
+    if unknown & _WIDE_NUMPY_SCALARS:
+        return True
+    for kind in unknown:
+        if issubclass(kind, jax.Array):  # So that the next tree with a leaf of this type is quicker.
+            NARROW_LEAF_TYPES.add(kind)
+    if np.ndarray not in unknown:
+        return False
+    arrays = itertools.compress(leaves, map(operator.is_, map(type, leaves), itertools.repeat(np.ndarray)))
+    return any(_is_wide(dtype) for dtype in set(map(_DTYPE_OF, arrays)))
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
+def _is_wide(dtype: np.dtype[Any]) -> bool:
+    return dtype.itemsize == 8 and dtype.kind in "iuf"
 
 
 def is_wide_host_leaf(leaf: Any) -> bool:
     """Whether `leaf` is a 64-bit numpy integer or float (array or scalar)."""
     kind = type(leaf)
     if kind is np.ndarray:
-        return bool(leaf.dtype.itemsize == 8 and leaf.dtype.kind in "iuf")
+        return _is_wide(leaf.dtype)
     return kind in _WIDE_NUMPY_SCALARS
 
 

@@ -2,11 +2,12 @@
 
 `Strategy.run` must cost about what a bare cached `jax.jit` call costs (measured here: a Python
 loop over the argument leaves alone adds 10%). So the hot path does no per-leaf Python work: a
-function seen before with array arguments is called by `StepCache.call_fast` with `*args`;
-jit's C++ dispatch flattens the arguments and places them through the pinned `in_shardings`
-(Python scalars and numpy arrays are transferred by jit itself, and arrays committed to another
-device are copied). Keyword arguments go through a second wrapper that takes `(args, kwargs)`,
-because jit cannot pin `in_shardings` for keyword arguments.
+function seen before with array arguments is called through its entry in
+`StepCache.fast_entries` with `*args` (by strategies/run_path.py); jit's C++ dispatch flattens
+the arguments and places them through the pinned `in_shardings` (Python scalars and numpy
+arrays are transferred by jit itself, and arrays committed to another device are copied).
+Keyword arguments go through a second wrapper that takes `(args, kwargs)`, because jit cannot
+pin `in_shardings` for keyword arguments.
 
 Where the inputs go may depend on the arguments (on several replicas a `PerReplica` is split over
 them and the rest replicated): the cache then asks `in_shardings(args_and_kwargs)` on the slow
@@ -57,17 +58,6 @@ _MAX_ENTRIES = 256
 # How many distinct function objects with the same code are compiled before warning.
 _RECOMPILES_BEFORE_WARNING = 2
 
-_MethodType = types.MethodType
-
-
-class _NotCompiled:
-    def __repr__(self) -> str:
-        return "NOT_COMPILED"
-
-
-# What `StepCache.call_fast` returns for a call it cannot make.
-NOT_COMPILED: Any = _NotCompiled()
-
 
 def function_key(fn: Callable[..., Any]) -> Hashable:
     """The identity of a step function, which keeps no reference to it.
@@ -79,6 +69,15 @@ def function_key(fn: Callable[..., Any]) -> Hashable:
     if type(fn) is types.MethodType:
         return (id(fn.__self__), id(fn.__func__))
     return id(fn)
+
+
+def fast_key(fn: Callable[..., Any], options: RunOptions | None) -> Hashable:
+    """The key of `fn`'s compiled steps for calls with `options`: its `function_key`, with the
+    jit options chosen (donation, static arguments), if any, since each is compiled apart."""
+    key = function_key(fn)
+    if options is not None and any(chosen := jit_options(options)):
+        return (key, chosen)
+    return key
 
 
 class StepCache:
@@ -96,8 +95,6 @@ class StepCache:
         replica context, or a `shard_map` of it over the replicas.
       in_flight_limit: when set, every call goes through it (see `InFlightLimit`; only
         `MirroredStrategy` on several CPU devices needs one).
-      admits: what positional arguments must pass for `call_fast` to use a compiled wrapper,
-        asked only when there is one (so a miss costs nothing more); all, when None.
       caller: the call to name in messages, such as `OneDeviceStrategy.run()`.
       scalars_are_static: treat Python scalars as compile-time constants rather than tracing
         them (for `init`, whose integer arguments are usually sizes).
@@ -105,7 +102,9 @@ class StepCache:
         (which a trace cannot see), what a call's layout must keep for a compiled step to take
         it, computed from `(args, kwargs)` alike for arrays and tracers.
 
-    `call_fast` is the hot path; `__call__` takes every call, compiling what it must.
+    `__call__` takes every call, compiling what it must. Calls it compiled for positional
+    arrays are published in `fast_entries`, which `run`'s hot path (strategies/run_path.py) calls
+    directly.
     """
 
     def __init__(
@@ -117,15 +116,13 @@ class StepCache:
         caller: str,
         in_flight_limit: InFlightLimit | None = None,
         scalars_are_static: bool = False,
-        admits: Callable[[tuple[Any, ...]], bool] | None = None,
         layout_key: Callable[[PyTree], Hashable] | None = None,
     ):
-        self._admits = admits or _admit_all
         self._layout_key = layout_key
-        # `function_key(fn)` -> the compiled wrapper of each function whose last call had only
-        # array-like positional arguments and no options (or, on one device, donation alone,
-        # keyed with the options), called as `_fast[key](*args)`.
-        self._fast: dict[Hashable, Callable[..., Any]] = {}
+        # `fast_key(fn, options)` -> the compiled wrapper of each function whose last call had
+        # only array-like positional arguments and no options (or, on one device, donation
+        # alone), to be called as `fast_entries[key](*args)`; see `_publish_fast`.
+        self.fast_entries: dict[Hashable, Callable[..., Any]] = {}
         self._in_flight_limit = in_flight_limit
         self._dispatch = self._call if in_flight_limit is None else in_flight_limit.wrap(self._call)
         self._in_shardings = in_shardings
@@ -139,35 +136,11 @@ class StepCache:
         self._entries: dict[Hashable, _CompiledStep] = {}
         self._compiles_per_code: dict[types.CodeType, int] = {}
 
-    def call_fast(self, fn: StepFn, args: tuple[Any, ...], options: RunOptions | None = None) -> PyTree:
-        """`fn(*args)` through the wrapper compiled at an earlier call, or `NOT_COMPILED`, in
-        which case the call belongs to `__call__`.
-
-        It is `NOT_COMPILED` when `fn` has no fast wrapper yet (for these options: only donation
-        has one), when `admits` refuses the arguments, when jit rejects an argument that is not an
-        array (a `TypeError` before tracing), when an array is passed both donated and elsewhere,
-        or, where the layout depends on the arguments, when they may not fit
-        the wrapper's (a `ValueError`). Errors from `fn` itself are raised: a `TypeError` with
-        only array arguments here, a `ValueError` from `__call__`.
-        """
-        # function_key(fn), inline: this runs on every step.
-        key: Hashable = (id(fn.__self__), id(fn.__func__)) if type(fn) is _MethodType else id(fn)
-        if options is not None and any(chosen := jit_options(options)):
-            key = (key, chosen)
-        compiled = self._fast.get(key)
-        if compiled is None or not self._admits(args):
-            return NOT_COMPILED
-        try:
-            return compiled(*args)
-        except NeedsSlowPath:
-            pass
-        except TypeError:
-            if not has_static_leaves(args):
-                raise
-        except ValueError:
-            if self._layout_of is None:
-                raise
-        return NOT_COMPILED
+    @property
+    def layout_depends_on_arguments(self) -> bool:
+        """Whether a fast entry may refuse a call's layout (with a `ValueError`, which then means
+        "take `__call__`" rather than an error of the step's)."""
+        return self._layout_of is not None
 
     def __call__(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None = None
@@ -177,30 +150,14 @@ class StepCache:
     def _call(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
     ) -> PyTree:
-        key = function_key(fn)
-        chosen = jit_options(options)
-        configured = any(chosen)
-        if configured:
-            key = (key, chosen)
+        key = fast_key(fn, options)
         entry = self._entries.get(key)
         if entry is None:
+            configured = options is not None and any(jit_options(options))
             entry = self._add(key, fn, options, count_towards_warning=not configured)
         layout = self._layout((args, kwargs))
         if entry.slow_path:
-            if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
-                args, kwargs = layout.settle((args, kwargs))
-            # Where arrays are settled (several devices), every call must be: it stays slow there.
-            if entry.donates_only and not self._settle_arrays and not kwargs and not has_static_leaves(args):
-                # Checked here; compiled with jit's own donation, which `call_fast` then calls.
-                entry.check_donation(layout, args)
-                compiled, _ = entry.jitted("donating", layout.for_positional(), layout)
-                result = compiled(*args)
-                guarded = _refusing_arrays_donated_twice(compiled, entry.donate_argnums)
-                limit = self._in_flight_limit
-                self._fast[key] = guarded if limit is None else limit.wrap(guarded)
-                return result
-            self._fast.pop(key, None)  # A donating fast entry would fail on these arguments.
-            return entry.call_partitioned(layout, args, kwargs)
+            return self._call_slow_path(key, entry, layout, args, kwargs)
         if kwargs:
             compiled, new = entry.jitted("packed", layout.inputs, layout)
         else:
@@ -217,12 +174,44 @@ class StepCache:
             if not has_static_leaves((args, kwargs)):
                 raise
             entry.slow_path = True
-            self._fast.pop(key, None)
-            return entry.call_partitioned(layout, args, kwargs)
+            return self._call_slow_path(key, entry, layout, args, kwargs)
         if not kwargs:  # Jit options never get here: they always take the slow path.
-            limit = self._in_flight_limit
-            self._fast[key] = compiled if limit is None else limit.wrap(compiled)
+            self._publish_fast(key, compiled)
         return result
+
+    def _call_slow_path(
+        self,
+        key: Hashable,
+        entry: _CompiledStep,
+        layout: _Layout,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> PyTree:
+        """A call of a step whose leaves Python sorts: static ones, donated ones, jit options."""
+        if self._settle_arrays:  # The slow path does per-leaf work on every call anyway.
+            args, kwargs = layout.settle((args, kwargs))
+        # Where arrays are settled (several devices), every call must be: it stays slow there.
+        if entry.donates_only and not self._settle_arrays and not kwargs and not has_static_leaves(args):
+            # Checked here; compiled with jit's own donation, which the hot path then calls.
+            entry.check_donation(layout, args)
+            compiled, _ = entry.jitted("donating", layout.for_positional(), layout)
+            result = compiled(*args)
+            self._publish_fast(key, _refusing_arrays_donated_twice(compiled, entry.donate_argnums))
+            return result
+        self.fast_entries.pop(key, None)  # A fast entry would fail on these arguments.
+        return entry.call_partitioned(layout, args, kwargs)
+
+    def _publish_fast(self, key: Hashable, compiled: Callable[..., PyTree]) -> None:
+        """Make `compiled` the fast entry of `key`: what `run`'s hot path calls as
+        `fast_entries[key](*args)` when the caller has checked what `compiled` cannot (see
+        strategies/run_path.py). It holds the jit of the step with its input shardings pinned,
+        which itself refuses what else could differ from the call that compiled it: an argument
+        that is not an array (TypeError before tracing), arrays laid out otherwise (ValueError
+        where `layout_depends_on_arguments`), NNX objects nested in the arguments
+        (`NeedsSlowPath`, raised by the program while tracing), and, for a donating entry, an
+        array passed both donated and elsewhere (`NeedsSlowPath`)."""
+        limit = self._in_flight_limit
+        self.fast_entries[key] = compiled if limit is None else limit.wrap(compiled)
 
     def _layout(self, args_and_kwargs: PyTree) -> _Layout:
         if self._layout_of is None:
@@ -255,7 +244,7 @@ class StepCache:
 
     def _evict(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
-        self._fast.pop(key, None)
+        self.fast_entries.pop(key, None)
         if entry is not None and entry.finalizer is not None:
             entry.finalizer.detach()
 
@@ -279,10 +268,6 @@ class StepCache:
             )
 
 
-def _admit_all(args: tuple[Any, ...]) -> bool:
-    return True
-
-
 # How XLA refuses a call that donates a buffer and uses it again (JAX 0.10.2 and 0.11).
 _DONATED_BUFFER_USED_AGAIN = "previously donated in the same call"
 
@@ -292,24 +277,25 @@ def _refusing_arrays_donated_twice(
 ) -> Callable[..., PyTree]:
     """`compiled`, handing to the slow path (which names the places) a call that passes one array
     in two places, one of them donated: XLA was seen to hang on that on CPU devices rather than
-    refuse it. The check is by identity, a few microseconds a call. Two arrays over one buffer
-    (two `jax.device_put`s of one array) pass it, and XLA refuses the call before running it
-    (this entry is for one device only, where it refuses rather than crashes), leaving the
-    arguments intact: that call goes to the slow path too, which compares buffers and says where.
-    Comparing buffers here instead would cost 8% of a 20-leaf call."""
+    refuse it. The check is by identity, in C (flattening, then sets of the leaves' ids), and looks
+    at leaves in Python only when two ids match, which Python numbers (small ints share one
+    object) may do without being arrays. Two arrays over one buffer (two `jax.device_put`s of one
+    array) pass it, and XLA refuses the call before running it (this entry is for one device
+    only, where it refuses rather than crashes), leaving the arguments intact: that call goes to
+    the slow path too, which compares buffers and says where. Comparing buffers here instead
+    would cost 8% of a 20-leaf call."""
+    donated_positions = frozenset(donate_argnums)
 
     def call(*args: Any) -> PyTree:
         if not donate_argnums or donate_argnums[-1] >= len(args):
             raise NeedsSlowPath
-        donated = [
-            leaf for i in donate_argnums for leaf in jax.tree.leaves(args[i]) if isinstance(leaf, jax.Array)
-        ]
+        donated = jax.tree.leaves([args[i] for i in donate_argnums])
+        kept = jax.tree.leaves([arg for i, arg in enumerate(args) if i not in donated_positions])
         donated_ids = set(map(id, donated))
-        if len(donated_ids) < len(donated):
+        if (len(donated_ids) < len(donated) or not donated_ids.isdisjoint(map(id, kept))) and (
+            _an_array_donated_twice(donated, kept)
+        ):
             raise NeedsSlowPath
-        for i, arg in enumerate(args):
-            if i not in donate_argnums and any(id(leaf) in donated_ids for leaf in jax.tree.leaves(arg)):
-                raise NeedsSlowPath
         try:
             return compiled(*args)
         except ValueError as error:  # What jaxlib raises for it (JaxRuntimeError elsewhere).
@@ -320,10 +306,17 @@ def _refusing_arrays_donated_twice(
     return call
 
 
+def _an_array_donated_twice(donated: list[Any], kept: list[Any]) -> bool:
+    """Whether a JAX array among the `donated` leaves is donated twice or also among `kept`."""
+    donated_arrays = [leaf for leaf in donated if isinstance(leaf, jax.Array)]
+    donated_ids = set(map(id, donated_arrays))
+    return len(donated_ids) < len(donated_arrays) or any(id(leaf) in donated_ids for leaf in kept)
+
+
 class NeedsSlowPath(Exception):
     """Raised by a `program` while tracing a fast wrapper, for arguments that only `__call__` may
-    take (such as objects inside the arguments that the caller unpacks there): `call_fast` then
-    answers `NOT_COMPILED`. The failed trace is not kept, so each such call traces again."""
+    take (such as objects inside the arguments that the caller unpacks there): `run`'s hot path
+    then hands the call to `__call__`. The failed trace is not kept, so each such call traces again."""
 
 
 class LayoutChanged(ValueError):

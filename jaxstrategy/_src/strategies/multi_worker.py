@@ -46,11 +46,9 @@ from jaxstrategy._src.core import jax_compat
 from jaxstrategy._src.core.arguments import check_int
 from jaxstrategy._src.core.device_spec import canonical_name, spans_processes
 from jaxstrategy._src.core.errors import InvalidDeviceError, bullet_list, caller_stacklevel
-from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.strategies.mesh import MeshStrategy
 from jaxstrategy._src.strategies.strategy import StrategyExtended
-from jaxstrategy._src.values.options import RunOptions
 
 _CALLER = "MultiWorkerMirroredStrategy()"
 
@@ -180,12 +178,9 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
 
-    def _run_checked(
-        self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
-    ) -> PyTree:
+    def _before_checked_run(self) -> None:
         # Compiling and first steps take this path: a process that ended would leave them waiting.
         job_exits.raise_if_a_process_ended(f"{type(self).__name__}.run()")
-        return super()._run_checked(fn, args, kwargs, options)
 
     @property
     def _input_pipeline(self) -> tuple[int, int]:

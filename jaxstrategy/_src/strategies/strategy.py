@@ -19,14 +19,14 @@ import jax
 
 from jaxstrategy._src.core.device_spec import canonical_name
 from jaxstrategy._src.core.errors import caller_stacklevel
-from jaxstrategy._src.core.tree_checks import has_wide_host_leaf, require_representable
 from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input import datasets
-from jaxstrategy._src.input.datasets import DistributedDataset, DistributedIterator
+from jaxstrategy._src.input.datasets import DistributedDataset
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.steps import nnx_objects
-from jaxstrategy._src.steps.cache import NOT_COMPILED, NeedsSlowPath, StepCache
+from jaxstrategy._src.steps.cache import NeedsSlowPath, StepCache
 from jaxstrategy._src.steps.in_flight import InFlightLimit
+from jaxstrategy._src.strategies.run_path import RunPath
 from jaxstrategy._src.values import contexts
 from jaxstrategy._src.values.contexts import InputContext, ReplicaContext, ValueContext
 from jaxstrategy._src.values.options import InputOptions, RunOptions
@@ -84,15 +84,24 @@ class Strategy(abc.ABC):
             program=self._run_program,
             caller=f"{type(self).__name__}.run()",
             in_flight_limit=self._run_in_flight_limit,
-            admits=self._admits_fast_call,
             layout_key=self._run_layout_key,
         )
         return self.__dict__.setdefault("_run_steps", steps)
 
+    @functools.cached_property
+    def _run_path(self) -> RunPath:
+        """`run`'s whole path (strategies/run_path.py). Made, it also becomes `run` for this
+        strategy, as an attribute of the instance, which Python finds before the method: each
+        step then costs one Python call less. `type(strategy).run`, its docstring and signature
+        stay those of `Strategy.run`, whose arguments `RunPath.run` takes alike."""
+        path = self.__dict__.setdefault("_run_path", RunPath(self, self._run_steps))
+        self.__dict__.setdefault("run", path.run)
+        return path
+
     def _run_program(self, fn: StepFn) -> StepFn:
         """`_replica_program(fn)`, refusing, when traced, NNX objects nested in the arguments.
 
-        `_admits_fast_call` looks at the top-level arguments only (it runs every step); a Module
+        `run`'s hot path looks at the top-level arguments only (it runs every step); a Module
         inside a dict would reach a step compiled for arrays as a plain pytree, and its updates
         would be lost. This check costs nothing per step: it runs when a call traces.
         """
@@ -104,18 +113,6 @@ class Strategy(abc.ABC):
             return program(*args, **kwargs)
 
         return checked
-
-    def _admits_fast_call(self, args: tuple[Any, ...]) -> bool:
-        """Whether `run` with these positional arguments may call a step compiled before, as
-        they are: outside `run` and any other strategy's scope, with no NNX object among them
-        (it would go in as a pytree, and its updates be lost) and no 64-bit numpy leaf (it would
-        be narrowed to 32 bits unchecked)."""
-        state = _current_state()
-        return (
-            (state is _OUTSIDE_EVERY_SCOPE or (state.strategy is self and state.replica_context is None))
-            and not nnx_objects.any_object_among(args)
-            and not has_wide_host_leaf(args)
-        )
 
     @functools.cached_property
     def _init_steps(self) -> StepCache:
@@ -202,6 +199,10 @@ class Strategy(abc.ABC):
     def _run_in_flight_limit(self) -> InFlightLimit | None:
         """What bounds the `run` steps queued at once (None: nothing); see `InFlightLimit`."""
         return None
+
+    def _before_checked_run(self) -> None:  # noqa: B027 (a hook that does nothing by default)
+        """What `run` does first on its checked path (compiling, a call the hot path does not
+        take), before checking anything: nothing here."""
 
     def _cross_replica_program(self, fn: StepFn) -> StepFn:
         def in_cross_replica_context(*args: Any, **kwargs: Any) -> PyTree:
@@ -341,78 +342,9 @@ class Strategy(abc.ABC):
           >>> counter.bias[...].tolist()
           [3.0]
         """
-        # The hot path (see steps/cache.py): a function already compiled for array arguments,
-        # called with a tuple of them, that `_admits_fast_call` lets through.
-        try:
-            if kwargs is None and type(args) is tuple and (options is None or type(options) is RunOptions):
-                result = self._run_steps.call_fast(fn, args, options)
-                if result is not NOT_COMPILED:
-                    return result
-            return self._run_checked(fn, args, kwargs, options)
-        except _PYTHON_CONTROL_ON_A_TRACED_VALUE as error:
-            error.add_note(_STATIC_ARGUMENTS_HINT.format(caller=f"{type(self).__name__}.run()"))
-            raise
-
-    def _run_state(
-        self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
-    ) -> PyTree:
-        """Run the step `run_with_objects` made of `fn`, on the hot path once it is compiled."""
-        result = NOT_COMPILED if kwargs else self._run_steps.call_fast(fn, args, options)
-        return self._run_steps(fn, args, kwargs, options) if result is NOT_COMPILED else result
-
-    def _run_checked(
-        self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
-    ) -> PyTree:
-        if not callable(fn):
-            raise TypeError(f"{type(self).__name__}.run(): fn must be callable; got {fn!r}.")
-        if type(args) is not tuple:
-            if not isinstance(args, tuple | list):
-                raise ValueError(
-                    f"{type(self).__name__}.run(): positional args must be a list or tuple, got "
-                    f"{type(args).__name__}. Pass a single argument as args=(x,)."
-                )
-            args = tuple(args)
-        if kwargs is None:
-            kwargs = {}
-        elif not isinstance(kwargs, dict):
-            raise TypeError(
-                f"{type(self).__name__}.run(): kwargs must be a dict; got {type(kwargs).__name__}."
-            )
-        if options is not None and not isinstance(options, RunOptions):
-            raise TypeError(
-                f"{type(self).__name__}.run(): options must be a jaxstrategy.RunOptions; got {options!r}."
-            )
-        caller = f"{type(self).__name__}.run()"
-        inputs = [*args, *kwargs.values()]
-        if any(isinstance(arg, DistributedIterator | DistributedDataset) for arg in inputs):
-            raise ValueError(
-                f"{caller}: an argument is a distributed dataset or iterator; run takes its "
-                "elements. Pass strategy.run(step_fn, args=(next(iterator),)), or loop "
-                "`for batch in dataset:` and pass `batch`."
-            )
-        contexts.require_cross_replica_context(
-            self, caller, in_run_hint="Call the inner function directly instead of through run()."
-        )
-        # Not into NNX objects: their Variables hold arrays `put` placed, and flattening a model
-        # costs as much as the rest of run's checks.
-        require_representable(args, caller=caller, name="args", is_leaf=nnx_objects.is_object)
-        require_representable(kwargs, caller=caller, name="kwargs", is_leaf=nnx_objects.is_object)
-        user_args = args
-        fn, args = nnx_objects.callee_as_argument(fn, args)
-        found = nnx_objects.find_objects((args, kwargs))
-        if found is not None:
-            donated = frozenset[int]()
-            if options is not None:
-                if options.static_argnums or options.static_argnames:
-                    raise ValueError(
-                        f"{caller}: RunOptions' static arguments cannot be combined with Flax NNX "
-                        "objects among the arguments (their state is passed for them). Pass a "
-                        "flag as a string or an enum member instead, which run treats as static "
-                        "without options; or pass the objects' state (nnx.split) in their place."
-                    )
-                donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
-            return nnx_objects.run_with_objects(self._run_state, fn, found, caller, donated)
-        return self._run_steps(fn, args, kwargs, options)
+        # The first call binds `run` to the strategy's RunPath (see `_run_path`): later calls go
+        # straight there.
+        return self._run_path.run(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
         """Combine `value` across replicas, and along `axis` within each replica unless it is None.
@@ -704,19 +636,6 @@ class Strategy(abc.ABC):
 
 
 # What Python control flow on an argument of `run` raises while `fn` is traced.
-_PYTHON_CONTROL_ON_A_TRACED_VALUE = (
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.ConcretizationTypeError,
-)
-_STATIC_ARGUMENTS_HINT = (
-    "{caller}: fn is compiled once for all values of its array arguments, and Python bools, "
-    "ints and floats passed to run are traced as arrays are, so Python `if`, `bool()`, `int()` "
-    "or `range()` cannot read them. For a flag that chooses what fn does (training=True, a "
-    "mode), pass it as static: RunOptions(static_argnums=...) or static_argnames=..., or as a "
-    "string or an enum member, which run treats as static. For a value that changes every "
-    "step, use jax.lax.cond or jnp.where instead."
-)
 
 
 def get_strategy() -> Strategy:

@@ -1,0 +1,179 @@
+"""`run`'s hot path (strategies/run_path.py): what a compiled step's later calls check, and what
+they cost in Python, on one device and on a mesh."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxstrategy
+from jaxstrategy import StrategyContextError
+from jaxstrategy._src.strategies.strategy import Strategy
+
+STRATEGIES = {
+    "one device": lambda: jaxstrategy.OneDeviceStrategy("/cpu:1"),
+    "mirrored": lambda: jaxstrategy.MirroredStrategy(jax.devices("cpu")[:2]),
+    "sharded": lambda: jaxstrategy.ShardedStrategy(jax.devices("cpu")[:2], min_shard_bytes=8),
+}
+
+
+@pytest.fixture(params=list(STRATEGIES))
+def strategy(request) -> Strategy:
+    return STRATEGIES[request.param]()
+
+
+def add_batch(state, batch):
+    return jax.tree.map(lambda leaf: leaf + batch, state)
+
+
+def local(strategy, tree):
+    return jax.tree.map(np.asarray, strategy.experimental_local_results(tree)[0])
+
+
+def python_calls_of(call, *args) -> list[str]:
+    """The names of the Python functions `call(*args)` runs, in order (but XLA's garbage
+    collection callbacks, which run when they will)."""
+    names: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and not frame.f_code.co_name.startswith("_xla_gc"):
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        call(*args)
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+@pytest.mark.parametrize("where", ["top level", "nested", "last argument"])
+def test_a_compiled_step_refuses_a_64_bit_host_value_at_any_position(strategy, where):
+    # jit would narrow each of these to 32 bits without retracing (2**40 + 5 becomes 5): the
+    # step is compiled first, with 32-bit arrays, so every call below meets a fast entry.
+    state = strategy.put({"a": np.zeros(2, np.int32), "b": [np.zeros(2, np.int32)]})
+    batch = strategy.put(np.ones(2, np.int32))
+    for _ in range(2):
+        strategy.run(add_batch, args=(state, batch))
+    wide = np.array([1, 2**40 + 5], np.int64)
+    args = {
+        "top level": (wide, batch),
+        "nested": ({"a": state["a"], "b": [wide]}, batch),
+        "last argument": (state, wide),
+    }[where]
+    with pytest.raises(OverflowError, match=r"is int64 with values from 1 to 1099511627781"):
+        strategy.run(add_batch, args=args)
+
+
+def test_64_bit_host_values_that_fit_are_taken_by_the_checked_path_and_stay_right(strategy):
+    state = strategy.put({"a": np.zeros(2, np.int32)})
+    strategy.run(add_batch, args=(state, strategy.put(np.ones(2, np.int32))))
+    out = strategy.run(add_batch, args=(state, np.array([3, 2**31 - 1], np.int64)))
+    assert local(strategy, out)["a"].tolist() == [3, 2**31 - 1]
+    out = strategy.run(add_batch, args=({"a": np.float64([0.5, 1.5])}, np.float32(1)))
+    np.testing.assert_allclose(local(strategy, out)["a"], [1.5, 2.5])
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_the_hot_path_makes_as_many_python_calls_for_200_leaves_as_for_10(name):
+    counts = {}
+    for leaves in (10, 200):
+        strategy = STRATEGIES[name]()  # Fresh, so that each makes the same calls in the same order.
+        state = strategy.put({f"leaf_{i}": np.zeros(2, np.float32) for i in range(leaves)})
+        batch = strategy.put(np.ones(2, np.float32))
+        numpy_batch = np.ones(2, np.float32)
+        for _ in range(2):  # The first numpy batch makes jit's C++ cache miss once.
+            state = strategy.run(add_batch, args=(state, batch))
+            state = strategy.run(add_batch, args=(state, numpy_batch))
+        on_device = python_calls_of(strategy.run, add_batch, (state, batch))
+        from_host = python_calls_of(strategy.run, add_batch, (state, numpy_batch))
+        assert "is_wide_host_leaf" not in from_host
+        counts[leaves] = len(on_device), len(from_host)
+    # run, the checks of the arguments (flattened once, in C), and jit's own dispatch in C++; a
+    # numpy leaf adds a look at each distinct dtype. On CPU meshes InFlightLimit adds its own,
+    # and waits for every 8th step (here the numpy batch's: `jax.block_until_ready`).
+    assert counts[10] == counts[200], counts
+    assert counts[10][0] <= 12 and counts[10][1] <= 40, counts
+
+
+def test_run_of_a_scalar_checks_no_leaf_in_python(strategy):
+    x = strategy.put(np.float32(2))
+    strategy.run(jnp.sin, args=(x,))
+    calls = python_calls_of(lambda: strategy.run(jnp.sin, args=(x,)))
+    assert (
+        calls[:2] == ["<lambda>", "run"]
+        and "has_wide_host_leaf" not in calls
+        and "any_object_among" not in calls
+    )
+
+
+def test_a_compiled_step_is_not_called_inside_another_strategys_scope_or_inside_run(strategy):
+    x = strategy.put(np.float32(2))
+    strategy.run(jnp.sin, args=(x,))
+    other = jaxstrategy.OneDeviceStrategy("/cpu:0")
+    with (
+        other.scope(),
+        pytest.raises(
+            StrategyContextError, match=r"Mixing different Strategy objects: .* inside the scope of"
+        ),
+    ):
+        strategy.run(jnp.sin, args=(x,))
+
+    def calls_run(y):
+        return strategy.run(jnp.sin, args=(y,))
+
+    with pytest.raises(
+        StrategyContextError,
+        match=r"requires the cross-replica context, but it was called inside Strategy.run",
+    ):
+        strategy.run(calls_run, args=(x,))
+    with strategy.scope():  # Its own scope is fine.
+        np.testing.assert_allclose(local(strategy, strategy.run(jnp.sin, args=(x,))), np.sin(2.0), rtol=1e-6)
+
+
+def test_an_nnx_object_given_to_a_step_compiled_for_its_state_goes_straight_to_the_checked_path(strategy):
+    def add_one(layer):
+        layer.bias[...] = layer.bias[...] + 1
+        return layer.bias[...]
+
+    layer = strategy.put(nnx.Linear(1, 1, rngs=nnx.Rngs(0)))
+    state = strategy.put(nnx.state(layer))
+    for _ in range(2):
+        strategy.run(add_one, args=(state,))  # Compiled for the state: a pytree of arrays.
+    for _ in range(2):
+        strategy.run(add_one, args=(layer,))
+    # Updated in place, and without first trying (and failing) to trace the step for the state
+    # with the object's leaves, which would cost a trace at every call.
+    calls = python_calls_of(lambda: strategy.run(add_one, args=(layer,)))
+    assert "cache_miss" not in calls, calls
+    assert local(strategy, layer.bias[...]).tolist() == [3.0]
+
+
+def test_run_keeps_its_signature_and_docstring_once_bound_to_the_path(strategy):
+    strategy.run(jnp.sin, args=(1.0,))
+    # After the first call the strategy's `run` attribute is its path's `run`, one call shorter.
+    assert strategy.run == strategy._run_path.run
+    assert inspect.signature(type(strategy).run).parameters.keys() == {
+        "self",
+        "fn",
+        "args",
+        "kwargs",
+        "options",
+    }
+    assert list(inspect.signature(strategy.run).parameters) == ["fn", "args", "kwargs", "options"]
+    assert type(strategy).run.__doc__.startswith("Run `fn(*args, **kwargs)` compiled")
+
+
+def test_python_control_on_a_traced_value_gets_the_static_arguments_hint(strategy):
+    def branches(x, training):
+        return x * 2 if training else x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as error:
+        strategy.run(branches, args=(1.0, True))
+    assert any("RunOptions(static_argnums=...)" in note for note in error.value.__notes__)
