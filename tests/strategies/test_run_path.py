@@ -170,6 +170,20 @@ def test_run_keeps_its_signature_and_docstring_once_bound_to_the_path(strategy):
     assert type(strategy).run.__doc__.startswith("Run `fn(*args, **kwargs)` compiled")
 
 
+def test_a_subclass_that_overrides_run_is_called_at_every_step():
+    class Counting(jaxstrategy.OneDeviceStrategy):
+        calls = 0
+
+        def run(self, fn, args=(), kwargs=None, options=None):
+            Counting.calls += 1
+            return super().run(fn, args, kwargs, options)
+
+    strategy = Counting()
+    for _ in range(3):
+        strategy.run(jnp.sin, args=(1.0,))
+    assert Counting.calls == 3
+
+
 def test_python_control_on_a_traced_value_gets_the_static_arguments_hint(strategy):
     def branches(x, training):
         return x * 2 if training else x

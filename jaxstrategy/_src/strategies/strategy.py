@@ -93,9 +93,11 @@ class Strategy(abc.ABC):
         """`run`'s whole path (strategies/run_path.py). Made, it also becomes `run` for this
         strategy, as an attribute of the instance, which Python finds before the method: each
         step then costs one Python call less. `type(strategy).run`, its docstring and signature
-        stay those of `Strategy.run`, whose arguments `RunPath.run` takes alike."""
+        stay those of `Strategy.run`, whose arguments `RunPath.run` takes alike. A subclass that
+        overrides `run` keeps its own."""
         path = self.__dict__.setdefault("_run_path", RunPath(self, self._run_steps))
-        self.__dict__.setdefault("run", path.run)
+        if type(self).run is Strategy.run:
+            self.__dict__.setdefault("run", path.run)
         return path
 
     def _run_program(self, fn: StepFn) -> StepFn:
