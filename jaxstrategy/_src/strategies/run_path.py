@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 _MethodType = types.MethodType
 _current_state = contexts.STATE.get
 _OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
+_NARROW_LEAF_TYPES = NARROW_LEAF_TYPES
 _narrow_types_include_all = NARROW_LEAF_TYPES.issuperset
 
 
@@ -72,6 +73,8 @@ def _nested_arguments_admit(args: tuple[Any, ...]) -> bool:
 class RunPath:
     """`Strategy.run` of one strategy: `path.run(fn, args, kwargs, options)`."""
 
+    __slots__ = ("_caller", "_fast_entries", "_layout_may_change", "_steps", "_strategy")
+
     def __init__(self, strategy: Strategy, steps: StepCache):
         self._strategy = strategy
         self._steps = steps
@@ -96,25 +99,29 @@ class RunPath:
                 else:
                     key = fast_key(fn, options) if type(options) is RunOptions else None
                 entry = self._fast_entries.get(key)
-                # `fast_entry_takes(self._strategy, args)`, inline.
-                if (
-                    entry is not None
-                    and (
-                        (state := _current_state()) is _OUTSIDE_EVERY_SCOPE
-                        or (state.strategy is self._strategy and state.replica_context is None)
-                    )
-                    and (_narrow_types_include_all(map(type, args)) or _nested_arguments_admit(args))
+                # `fast_entry_takes(self._strategy, args)`, inline; a loop over the few arguments
+                # costs less than a `map` over them.
+                if entry is not None and (
+                    (state := _current_state()) is _OUTSIDE_EVERY_SCOPE
+                    or (state.strategy is self._strategy and state.replica_context is None)
                 ):
-                    try:
-                        return entry(*args)
-                    except NeedsSlowPath:
-                        pass
-                    except TypeError:
-                        if not has_static_leaves(args):
-                            raise
-                    except ValueError:
-                        if not self._layout_may_change:
-                            raise
+                    for arg in args:
+                        if type(arg) not in _NARROW_LEAF_TYPES:
+                            takes = _nested_arguments_admit(args)
+                            break
+                    else:
+                        takes = True
+                    if takes:
+                        try:
+                            return entry(*args)
+                        except NeedsSlowPath:
+                            pass
+                        except TypeError:
+                            if not has_static_leaves(args):
+                                raise
+                        except ValueError:
+                            if not self._layout_may_change:
+                                raise
             return self.checked(fn, args, kwargs, options)
         except _PYTHON_CONTROL_ON_A_TRACED_VALUE as error:
             error.add_note(_STATIC_ARGUMENTS_HINT.format(caller=self._caller))
