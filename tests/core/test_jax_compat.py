@@ -19,6 +19,7 @@ from jaxstrategy._src.core import jax_compat
 
 ENTRIES = {
     "tracer": jax_compat.TRACER_PATHS,
+    "array_type": jax_compat.ARRAY_TYPE_PATHS,
     "backends_are_initialized": jax_compat.BACKENDS_ARE_INITIALIZED_PATHS,
     "backends_cache": jax_compat.BACKENDS_CACHE_PATHS,
     "cluster_types": jax_compat.CLUSTER_TYPES_PATHS,
@@ -79,6 +80,10 @@ def test_tracer_is_jax_core_tracer_and_is_tracer_tells_traced_values():
     assert seen == [True]
     assert not jax_compat.is_tracer(jnp.ones(2))
     assert not jax_compat.is_tracer(1.0)
+
+
+def test_array_type_is_the_class_of_jax_arrays():
+    assert jax_compat.ARRAY_TYPE is type(jax.numpy.zeros(()))
 
 
 def test_tracer_falls_back_to_where_jax_defines_it(monkeypatch):

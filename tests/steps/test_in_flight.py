@@ -21,10 +21,20 @@ def waited(monkeypatch):
 
 
 def test_every_nth_call_is_waited_for(waited):
-    limited = InFlightLimit(wait_every=3).wrap(lambda i: ("out", i))
+    limited = InFlightLimit(wait_every=3).wrap(lambda i: ("out", i + 100))
     for i in range(7):
-        assert limited(i) == ("out", i)
-    assert waited == [2, 5]  # One output of each waited call: one program makes them all at once.
+        assert limited(i) == ("out", i + 100)
+    # One output of each waited call, the last: one program makes them all at once.
+    assert waited == [102, 105]
+
+
+def test_the_output_waited_for_is_one_the_program_made_not_an_input_handed_back(waited):
+    made, given = object(), object()
+    limited = InFlightLimit(wait_every=1).wrap(lambda state, extra: (made, state))
+    limited(given, 1)
+    handed_back = InFlightLimit(wait_every=1).wrap(lambda state: {"state": state})
+    handed_back(given)
+    assert waited == [made, None]  # Nothing made: nothing to wait for.
 
 
 def test_calls_wrapped_apart_are_counted_together(waited):

@@ -3,8 +3,8 @@ they cost in Python, on one device and on a mesh."""
 
 from __future__ import annotations
 
-import inspect
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,10 @@ def add_batch(state, batch):
     return jax.tree.map(lambda leaf: leaf + batch, state)
 
 
+def double_every_leaf(*args):
+    return jax.tree.map(lambda leaf: leaf * 2, args)
+
+
 def local(strategy, tree):
     return jax.tree.map(np.asarray, strategy.experimental_local_results(tree)[0])
 
@@ -53,22 +57,73 @@ def python_calls_of(call, *args) -> list[str]:
     return names
 
 
+class Int64Array(np.ndarray):
+    """A subclass of numpy's array, as `np.memmap` and users' own are."""
+
+
+# Each: a value 32 bits would change, one like it that they hold (what the step is compiled
+# with: the same type as JAX sees it), and what the error says.
+WIDE_LEAVES = {
+    "int64 array": (
+        np.array([1, 2**40 + 5], np.int64),
+        np.array([1, 2], np.int64),
+        r"is int64 with values from 1 to 1099511627781",
+    ),
+    "longlong scalar": (np.longlong(2**40 + 5), np.longlong(5), r"is int64 with the value 1099511627781"),
+    "ndarray subclass": (
+        np.array([1, 2**40 + 5], np.int64).view(Int64Array),
+        np.array([1, 2], np.int64).view(Int64Array),
+        r"is int64 with values from 1 to 1099511627781",
+    ),
+    "uint64 scalar": (np.uint64(2**33), np.uint64(3), r"is uint64 with the value 8589934592"),
+    "float64 array": (np.full(2, 1e300), np.full(2, 0.5), r"is float64 with the finite value 1e\+300"),
+    "python float": (1e300, 0.5, r"is the Python float 1e\+300, beyond float32's range"),
+}
+
+
+@pytest.mark.parametrize("wide", list(WIDE_LEAVES))
 @pytest.mark.parametrize("where", ["top level", "nested", "last argument"])
-def test_a_compiled_step_refuses_a_64_bit_host_value_at_any_position(strategy, where):
-    # jit would narrow each of these to 32 bits without retracing (2**40 + 5 becomes 5): the
-    # step is compiled first, with 32-bit arrays, so every call below meets a fast entry.
-    state = strategy.put({"a": np.zeros(2, np.int32), "b": [np.zeros(2, np.int32)]})
-    batch = strategy.put(np.ones(2, np.int32))
+def test_a_compiled_step_refuses_a_value_32_bits_would_change_at_any_position(strategy, where, wide):
+    # jit would narrow each of these without retracing (2**40 + 5 becomes 5, 1e300 inf): the step
+    # is compiled first with 32-bit values in the same structure, so the call below meets its
+    # fast entry rather than a new trace.
+    value, narrow, message = WIDE_LEAVES[wide]
+    batch = strategy.put(np.ones(2, np.float32))
+
+    def arguments(leaf):
+        return {
+            "top level": (leaf, batch),
+            "nested": ({"a": batch, "b": [leaf]}, batch),
+            "last argument": ({"a": batch}, leaf),
+        }[where]
+
     for _ in range(2):
-        strategy.run(add_batch, args=(state, batch))
-    wide = np.array([1, 2**40 + 5], np.int64)
-    args = {
-        "top level": (wide, batch),
-        "nested": ({"a": state["a"], "b": [wide]}, batch),
-        "last argument": (state, wide),
-    }[where]
-    with pytest.raises(OverflowError, match=r"is int64 with values from 1 to 1099511627781"):
-        strategy.run(add_batch, args=args)
+        strategy.run(double_every_leaf, args=arguments(narrow))
+    with pytest.raises(OverflowError, match=message):
+        strategy.run(double_every_leaf, args=arguments(value))
+
+
+def test_infinities_and_nans_go_through_as_they_are(strategy):
+    out = strategy.run(add_batch, args=({"a": np.float32(1)}, float("inf")))
+    assert local(strategy, out)["a"].tolist() == np.inf
+    out = strategy.run(add_batch, args=({"a": np.float32(1)}, float("nan")))
+    assert np.isnan(local(strategy, out)["a"])
+
+
+def test_an_nnx_variable_holding_a_64_bit_value_is_refused_by_name(strategy):
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.Variable(np.array([1], np.int32))
+
+    def read(counter):
+        return counter.count[...] + 0
+
+    counter = strategy.put(Counter())
+    for _ in range(2):
+        strategy.run(read, args=(counter,))
+    counter.count.set_value(np.array([2**40 + 5], np.int64))  # After `put`: a host value.
+    with pytest.raises(OverflowError, match=r"args\[0\]\.count is int64 with the value 1099511627781"):
+        strategy.run(read, args=(counter,))
 
 
 def test_64_bit_host_values_that_fit_are_taken_by_the_checked_path_and_stay_right(strategy):
@@ -93,7 +148,7 @@ def test_the_hot_path_makes_as_many_python_calls_for_200_leaves_as_for_10(name):
             state = strategy.run(add_batch, args=(state, numpy_batch))
         on_device = python_calls_of(strategy.run, add_batch, (state, batch))
         from_host = python_calls_of(strategy.run, add_batch, (state, numpy_batch))
-        assert "is_wide_host_leaf" not in from_host
+        assert from_host.count("_is_wide") == 1  # The numpy batch's one dtype, not each leaf.
         counts[leaves] = len(on_device), len(from_host)
     # run, the checks of the arguments (flattened once, in C), and jit's own dispatch in C++; a
     # numpy leaf adds a look at each distinct dtype. On CPU meshes InFlightLimit adds its own,
@@ -155,19 +210,12 @@ def test_an_nnx_object_given_to_a_step_compiled_for_its_state_goes_straight_to_t
     assert local(strategy, layer.bias[...]).tolist() == [3.0]
 
 
-def test_run_keeps_its_signature_and_docstring_once_bound_to_the_path(strategy):
-    strategy.run(jnp.sin, args=(1.0,))
-    # After the first call the strategy's `run` attribute is its path's `run`, one call shorter.
-    assert strategy.run == strategy._run_path.run
-    assert inspect.signature(type(strategy).run).parameters.keys() == {
-        "self",
-        "fn",
-        "args",
-        "kwargs",
-        "options",
-    }
-    assert list(inspect.signature(strategy.run).parameters) == ["fn", "args", "kwargs", "options"]
-    assert type(strategy).run.__doc__.startswith("Run `fn(*args, **kwargs)` compiled")
+def test_run_patched_on_the_class_after_a_first_call_is_what_later_calls_reach():
+    strategy = jaxstrategy.OneDeviceStrategy()
+    strategy.run(jnp.sin, args=(1.0,))  # A spy in a test suite often comes after the first step.
+    with mock.patch.object(jaxstrategy.OneDeviceStrategy, "run", autospec=True, return_value="spied") as spy:
+        assert strategy.run(jnp.sin, args=(1.0,)) == "spied"
+    assert spy.call_count == 1
 
 
 def test_a_subclass_that_overrides_run_is_called_at_every_step():

@@ -1,14 +1,14 @@
 """Every private JAX API jaxstrategy uses, each reached through the places it has been seen.
 
-jaxstrategy needs a few things JAX keeps outside its public API: the class of its tracers,
-whether its backends have started, the cluster environments `jax.distributed.initialize()`
-detects, and its distributed runtime's state (the coordinator's address and the client of the
-coordination service, which orbax and JAX's own `multihost_utils` reach the same way). Private
-paths may move in any JAX release, so each entry below lists the paths it may be found at, the
-preferred first, each tagged with the JAX versions seen having it (read in the 0.10.2 wheel
-installed here and in the 0.11.2 and 0.12.0.1 wheels from PyPI), and says what happens where
-none resolves: "cannot detect" where that is safe, a clear error naming the JAX version where it
-is not.
+jaxstrategy needs a few things JAX keeps outside its public API: the class of its tracers and of
+its concrete arrays, whether its backends have started, the cluster environments
+`jax.distributed.initialize()` detects, and its distributed runtime's state (the coordinator's
+address and the client of the coordination service, which orbax and JAX's own `multihost_utils`
+reach the same way). Private paths may move in any JAX release, so each entry below lists the
+paths it may be found at, the preferred first, each tagged with the JAX versions seen having it
+(read in the 0.10.2 wheel installed here and in the 0.11.2 and 0.12.0.1 wheels from PyPI), and
+says what happens where none resolves: "cannot detect" where that is safe, a clear error naming
+the JAX version where it is not.
 
 A path resolves if it imports without an error or a `DeprecationWarning`, so a path JAX starts
 deprecating falls back quietly for users. `tests/core/test_jax_compat.py` checks that each entry
@@ -32,6 +32,9 @@ import jax
 # 0.12.0.1 (their `jax.core` deprecates other names only). `jax._src.core.Tracer`: where those
 # versions define it, for a JAX that deprecates or drops the public name.
 TRACER_PATHS = ("jax.core:Tracer", "jax._src.core:Tracer")
+
+# The class of JAX's concrete arrays, for checks by exact type: in 0.10.2 to 0.12.0.1.
+ARRAY_TYPE_PATHS = ("jax._src.array:ArrayImpl",)
 
 # JAX's own check, which `jax.distributed.initialize` makes first thing: in 0.10.2 to 0.12.0.1.
 BACKENDS_ARE_INITIALIZED_PATHS = ("jax._src.xla_bridge:backends_are_initialized",)
@@ -96,6 +99,10 @@ def resolve_tracer() -> type:
 
 
 Tracer = resolve_tracer()
+
+# None where no path resolves: `tree_checks` then learns the type from the first array it meets.
+_array_type = resolve(ARRAY_TYPE_PATHS)
+ARRAY_TYPE: type | None = None if _array_type is None else _array_type[1]
 
 _backends_are_initialized = resolve(BACKENDS_ARE_INITIALIZED_PATHS)
 _backends_cache = resolve(BACKENDS_CACHE_PATHS)

@@ -8,6 +8,8 @@ their own streams and need no bound, so only `MirroredStrategy` on several CPU d
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,11 +48,24 @@ class InFlightLimit:
                 self._calls_since_wait += 1
                 if self._calls_since_wait >= self._wait_every:
                     self._calls_since_wait = 0
-                    # One program's outputs are all ready when one is (one execution makes them
-                    # all): waiting on each would cost a microsecond or so per leaf.
-                    leaves = jax.tree.leaves(outputs)
-                    if leaves:
-                        jax.block_until_ready(leaves[-1])
+                    jax.block_until_ready(_one_output_made(outputs, (args, kwargs)))
                 return outputs
 
         return limited
+
+
+def _one_output_made(outputs: PyTree, inputs: PyTree) -> Any:
+    """One leaf of a program's `outputs` that the program made, not one of its `inputs` handed
+    back as it was (jit may return an unchanged input itself); None if there is none.
+
+    One program's outputs are all ready when one is (one execution makes them all), and waiting
+    on each would cost a microsecond or so per leaf. The leaves are compared by identity in C.
+    """
+    output_leaves = jax.tree.leaves(outputs)
+    input_ids = set(map(id, jax.tree.leaves(inputs)))
+    made = list(
+        itertools.compress(
+            output_leaves, map(operator.not_, map(input_ids.__contains__, map(id, output_leaves)))
+        )
+    )
+    return made[-1] if made else None

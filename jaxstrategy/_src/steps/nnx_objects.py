@@ -32,6 +32,7 @@ import jax
 
 from jaxstrategy._src.core.errors import bullet_list, format_argument_path
 from jaxstrategy._src.core.jax_compat import is_tracer
+from jaxstrategy._src.core.tree_checks import has_wide_host_leaf, require_named_representable
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.steps.argument_roles import ArgumentRoles
 from jaxstrategy._src.steps.cache import function_key, weak_resolver
@@ -236,6 +237,9 @@ def run_with_objects(
         leaf.get_raw_value() if is_variable else leaf
         for leaf, is_variable in zip(traversal.leaves, traversal.are_variables, strict=True)
     ]
+    if has_wide_host_leaf(values):  # A Variable given a 64-bit numpy value since `put`, say.
+        names = [_variable_name(path, found.paths) for path in traversal.paths]
+        require_named_representable(list(zip(names, values, strict=True)), caller=caller)
     # A Variable reached from a donated object first is donated (each is traversed once).
     donated_leaves = (
         tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated) if donated else ()

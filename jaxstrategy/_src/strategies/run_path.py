@@ -50,10 +50,10 @@ def fast_entry_takes(strategy: Strategy, args: tuple[Any, ...]) -> bool:
 
     - the context: outside every strategy's scope, or in this one's outside `run`;
     - no argument is itself an NNX object (it would go in as a pytree, and its updates be lost);
-    - no leaf is a 64-bit numpy integer or float: jit narrows it to 32 bits without retracing
-      (a numpy int64 of 2**40 becomes 0), so it goes to the checked path, which refuses a value
-      that does not fit. Arguments that are arrays and Python numbers are known narrow by their
-      types alone, without flattening anything.
+    - no leaf is a 64-bit numpy integer or float, nor a Python float beyond float32's range:
+      jit narrows it to 32 bits without retracing (a numpy int64 of 2**40 becomes 0), so it goes
+      to the checked path, which refuses a value that does not fit. Arguments that are JAX
+      arrays and Python ints are known narrow by their types alone, without flattening anything.
 
     `RunPath.run` makes these checks inline (a call less on every step).
     """
@@ -201,6 +201,7 @@ class RunPath:
         return self._steps(fn, args, kwargs, options)
 
 
+# What Python control flow on an argument of `run` raises while `fn` is traced.
 _PYTHON_CONTROL_ON_A_TRACED_VALUE = (
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerIntegerConversionError,

@@ -33,9 +33,6 @@ from jaxstrategy._src.values.options import InputOptions, RunOptions
 from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.values.variables import place_tree
 
-_current_state = contexts.STATE.get
-_OUTSIDE_EVERY_SCOPE = contexts.OUTSIDE_EVERY_SCOPE
-
 
 @dataclasses.dataclass(frozen=True)
 class StrategyExtended:
@@ -90,15 +87,8 @@ class Strategy(abc.ABC):
 
     @functools.cached_property
     def _run_path(self) -> RunPath:
-        """`run`'s whole path (strategies/run_path.py). Made, it also becomes `run` for this
-        strategy, as an attribute of the instance, which Python finds before the method: each
-        step then costs one Python call less. `type(strategy).run`, its docstring and signature
-        stay those of `Strategy.run`, whose arguments `RunPath.run` takes alike. A subclass that
-        overrides `run` keeps its own."""
-        path = self.__dict__.setdefault("_run_path", RunPath(self, self._run_steps))
-        if type(self).run is Strategy.run:
-            self.__dict__.setdefault("run", path.run)
-        return path
+        """`run`'s whole path (strategies/run_path.py)."""
+        return self.__dict__.setdefault("_run_path", RunPath(self, self._run_steps))
 
     def _run_program(self, fn: StepFn) -> StepFn:
         """`_replica_program(fn)`, refusing, when traced, NNX objects nested in the arguments.
@@ -344,8 +334,6 @@ class Strategy(abc.ABC):
           >>> counter.bias[...].tolist()
           [3.0]
         """
-        # The first call binds `run` to the strategy's RunPath (see `_run_path`): later calls go
-        # straight there.
         return self._run_path.run(fn, args, kwargs, options)
 
     def reduce(self, reduce_op: ReduceOp | str, value: PyTree, axis: Any) -> PyTree:
@@ -635,9 +623,6 @@ class Strategy(abc.ABC):
             self, f"{type(self).__name__}.init()", in_run_hint="Call init() outside run()."
         )
         return self._init_steps(fn, args, kwargs)
-
-
-# What Python control flow on an argument of `run` raises while `fn` is traced.
 
 
 def get_strategy() -> Strategy:
