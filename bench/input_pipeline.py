@@ -87,6 +87,9 @@ COMPUTE = "compute"
 # The figures the issue sets: I/O-bound at least this, CPU-bound at least the ceiling a loop that
 # never blocks reached on this machine (JAX_NOTES.md).
 IO_GOAL = 0.95
+# The double buffer where it matters most: an I/O-bound producer as slow as the step (P = C), so
+# that hiding the wait is the whole gain; a later issue's goal for it.
+IO_AT_C_GOAL = 0.92
 CPU_CEILING = 0.77
 
 Batch = tuple[np.ndarray, np.ndarray]
@@ -461,6 +464,14 @@ def print_goals(cells: list[Cell]) -> None:
     io_worst = min(cell.efficiency("jaxstrategy") for cell in cells if cell.kind == "I/O")
     verdict = "met" if io_worst >= IO_GOAL else "NOT met"
     print(f"goal I/O-bound: jaxstrategy >= {IO_GOAL:.2f} at every P: {verdict} (worst {io_worst:.2f})")
+    at_c = next((cell for cell in cells if cell.kind == "I/O" and cell.multiple == 1.0), None)
+    if at_c is not None:
+        ours = at_c.efficiency("jaxstrategy")
+        print(
+            f"goal I/O-bound at P = C (the double buffer): jaxstrategy >= {IO_AT_C_GOAL:.2f}: "
+            f"{'met' if ours >= IO_AT_C_GOAL else 'NOT met'} ({ours:.2f}; never-blocks "
+            f"{at_c.efficiency(NO_BLOCK):.2f})"
+        )
     cpu = [cell for cell in cells if cell.kind == "CPU" and cell.multiple > 0]
     gaps = [cell.efficiency("jaxstrategy") - cell.efficiency(NO_BLOCK) for cell in cpu]
     verdict = "met" if min(gaps) >= 0 else "NOT met"

@@ -783,8 +783,9 @@ class StrategyConformance:
         ].tolist() == [2**31 - 1]
 
     def test_run_arguments_that_32_bit_types_would_change_are_an_error(self, strategy_under_test):
-        # A global batch of 4 fits every strategy's replicas. The first call compiles the step,
-        # so the later ones take run's hot path.
+        # docs/semantics.md, the row of `run` given a value 32 bits would change. A global batch
+        # of 4 fits every strategy's replicas. The first call compiles the step, so the later ones
+        # take run's hot path.
         fits = np.array([1, 2, 3, 2**31 - 1])
         assert strategy_under_test.experimental_local_results(strategy_under_test.run(_double, args=(fits,)))
         with pytest.raises(
@@ -796,6 +797,11 @@ class StrategyConformance:
             strategy_under_test.run(_x_of, args=({"x": np.full(4, 1e300)},))
         with pytest.raises(OverflowError, match=r"kwargs\['x'\] is uint64 with the value 8589934592"):
             strategy_under_test.run(_double, kwargs={"x": np.uint64(2**33)})
+        strategy_under_test.run(_double, args=(0.5,))
+        with pytest.raises(
+            OverflowError, match=r"args\[0\] is the Python float 1e\+300, beyond float32's range"
+        ):
+            strategy_under_test.run(_double, args=(1e300,))
 
     def test_dataset_values_that_32_bit_types_would_change_are_an_error(self, strategy_under_test):
         dataset = strategy_under_test.experimental_distribute_dataset([np.arange(8), np.full(8, 2**40 + 5)])
