@@ -191,7 +191,7 @@ class DistributedDataset:
         self._placer = BatchPlacer(layout, on_device=on_device)
         self._keep_jax_arrays = not layout.stacked  # See `host_elements`.
         self._caller = caller
-        # Where processes read their own inputs, they agree batch by batch where a pass ends.
+        # Where processes read their own inputs, they agree where a pass ends (input/agreement.py).
         self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
         self._input_timeout_s = layout.input_timeout_s
         # Every pass started, restored ones included: each gets its own agreement namespace.
@@ -235,7 +235,9 @@ class DistributedDataset:
             agreement = StepAgreement(
                 namespace, stop=stopped, caller=self._caller, timeout_s=self._input_timeout_s
             )
-            batches = agreed_steps(batches, agreement, cardinality=self._cardinality, caller=self._caller)
+            # A restored pass has the batches after its position left.
+            left = self._cardinality - position.batches if self._cardinality >= 0 else self._cardinality
+            batches = agreed_steps(batches, agreement, cardinality=left, caller=self._caller)
         prefetch = PrefetchIterator(
             _marked(batches, readers),
             self._place_marked,

@@ -143,12 +143,7 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         require_same_devices_per_process(devices, _CALLER)
         super().__init__(devices)
         if spans_processes(devices):
-            job_exits.watch_job(
-                jax_compat.coordination_client(),
-                jax.process_index(),
-                jax.process_count(),
-                heartbeat_timeout_seconds,
-            )
+            job_exits.watch_job(jax.process_index(), jax.process_count(), heartbeat_timeout_seconds)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
