@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,7 +97,8 @@ class KeyValueStore:
     """
 
     def __init__(self, client: Any = None):
-        self.client = coordination_client() if client is None else client
+        self._given = client is not None
+        self.client = client if self._given else coordination_client()
 
     def _count(self, method: str, key: str) -> None:
         if _counts is not None:
@@ -104,8 +106,8 @@ class KeyValueStore:
 
     def is_current(self) -> bool:
         """Whether JAX's distributed runtime still runs with this store's client (the program
-        may have called `jax.distributed.shutdown()`)."""
-        return coordination_client() is self.client
+        may have called `jax.distributed.shutdown()`); always, for a client given to the store."""
+        return self._given or coordination_client() is self.client
 
     def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
         self._count("set", key)
@@ -188,7 +190,9 @@ def every_process_value(value: str, *, caller: str, timeout_s: float) -> dict[in
     """Post `value` and return every process's, by process index: a gather through the service.
 
     Each process writes its value under a key of its own (the calls' order, the same on every
-    process, names the call), reads the others', and the last to read deletes the call's keys.
+    process, names the call) and counts itself in; the last to arrive reads them all at once and
+    publishes them together, which the others read: about 4N calls to the service in all, where
+    each process reading every other's would take N * N. The last to read deletes the keys.
 
     Raises:
       TimeoutError: some process did not make this call within `timeout_s`.
@@ -196,16 +200,21 @@ def every_process_value(value: str, *, caller: str, timeout_s: float) -> dict[in
     store = KeyValueStore()
     n, me = jax.process_count(), jax.process_index()
     namespace = new_namespace("values")
-    store.set(f"{namespace}/signature/{me}", value)
-    values = {}
-    for process in range(n):
-        found = store.get_within(f"{namespace}/signature/{process}", int(timeout_s * 1000))
-        if found is None:
+    store.set(f"{namespace}/value/{me}", value)
+    if store.increment(f"{namespace}/count", 1) == n:
+        found = store.values_under(f"{namespace}/value/")
+        values = {int(key.rpartition("/")[2]): found[key] for key in found}
+        store.set(f"{namespace}/all", json.dumps(values))
+    else:
+        everyone = store.get_within(f"{namespace}/all", int(timeout_s * 1000))
+        if everyone is None:
+            arrived = int(store.get_now(f"{namespace}/count") or 0)
             raise TimeoutError(
-                f"{caller}: process {me} waited {timeout_s:.0f} s for process {process} to make the "
-                "same call. Every process must make the same calls in the same order."
+                f"{caller}: process {me} waited {timeout_s:.0f} s for the other processes to make the "
+                f"same call, and only {arrived} of {n} did. Every process must make the same calls in "
+                "the same order."
             )
-        values[process] = found
+        values = {int(process): found for process, found in json.loads(everyone).items()}
     if store.increment(f"{namespace}/done", 1) == n:
         store.delete(namespace)
     return values

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.cluster import job_exits
+from jaxstrategy._src.cluster.program_agreement import ProgramAgreement
 from jaxstrategy._src.cluster.resolver import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -142,8 +143,11 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         require_same_devices_per_process(devices, _CALLER)
         super().__init__(devices)
+        # Where the job has several processes, they check that they run the same programs.
+        self._programs: ProgramAgreement | None = None
         if spans_processes(devices):
             job_exits.watch_job(jax.process_index(), jax.process_count(), heartbeat_timeout_seconds)
+            self._programs = ProgramAgreement(caller=f"{type(self).__name__}.run()")
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -174,6 +178,25 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
+
+    def run(
+        self,
+        fn: StepFn,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> PyTree:
+        # The program check's hook on every call (see cluster/program_agreement.py): in a job of
+        # several processes, a few hundred nanoseconds, and a round with the others every
+        # CALLS_PER_ROUND calls. Its error, raised before the step, names both programs.
+        if self._programs is not None:
+            self._programs.record(fn)
+        return super().run(fn, args, kwargs, options)
+
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        # The program check's hook where a step is traced: its jaxpr names the program.
+        program = super()._replica_program(fn)
+        return program if self._programs is None else self._programs.fingerprinting(fn, program)
 
     def _run_checked(
         self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
