@@ -59,7 +59,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -391,14 +391,14 @@ def _agreed_pass(
         yield _ended_elsewhere(steps, n, with_batch, lengths[me] > steps, lengths[me] - steps, caller)
 
 
-def _next_batch(batches: Iterator[T]) -> Iterator[DroppedBatch]:
+def _next_batch(batches: Iterator[T]) -> Generator[DroppedBatch, None, T | None]:
     """Pass on the `DroppedBatch` items up to the next batch, and return that batch (None at
     the end): `item = yield from _next_batch(batches)`."""
     item = next(batches, None)
     while isinstance(item, DroppedBatch):
         yield item
         item = next(batches, None)
-    return item  # type: ignore[return-value]
+    return item
 
 
 def _unlike_first(process: int, found: str, first: str) -> str:
