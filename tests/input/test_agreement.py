@@ -384,3 +384,12 @@ def test_a_process_that_never_reaches_the_last_step_times_out_naming_it(polling_
     alone.lengths = [3, 3]
     with pytest.raises(TimeoutError, match=r"to reach step 2 of this dataset's pass, and only 1 of 2 did"):
         alone.last_step(2, "f32[2]", has_more=False)
+
+
+def test_a_source_that_says_it_has_no_batches_but_yields_one_is_an_error_on_every_process(shapes_before_hash):
+    for error, handed_out in take_part_in_pass([batches(2), batches(2)], [0, 2]):
+        assert handed_out == []
+        assert str(error).startswith(
+            f"{CALLER}: at step 0 of this pass, the input of process 0 says it has 0 batch(es) (its "
+            "source's len()), but it yields some."
+        )
