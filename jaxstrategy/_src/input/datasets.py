@@ -70,8 +70,9 @@ def _buffer_size(options: InputOptions, layout: ReplicaLayout, sources: list[Any
     if options.experimental_per_replica_buffer_size is not None:
         return options.experimental_per_replica_buffer_size
     on_cpu = all(device.platform == "cpu" for device in layout.sharding.device_set)  # type: ignore[attr-defined]
-    # Across processes the thread also runs the processes' agreement on each step (round trips to
-    # the coordinator), which it keeps off the step's path.
+    # Across processes the thread also runs the processes' agreement (round trips to the
+    # coordinator: at a pass's first and last steps, or at every step of a source without a
+    # len()), which it keeps off the step's path.
     if on_cpu and not layout.is_multi_process and all(is_in_memory(s) for s in sources):
         return 0
     return _DOUBLE_BUFFER
