@@ -31,6 +31,7 @@ from preemption_worker import train
 import jaxstrategy
 from jaxstrategy import checkpoint
 from jaxstrategy._src.checkpoint import preemption
+from jaxstrategy._src.cluster import coordination
 from jaxstrategy._src.cluster.local_workers import describe_results
 from jaxstrategy.testing import run_local_workers
 
@@ -546,7 +547,7 @@ def as_process_1_of_2(monkeypatch):
 
     def make(client, checkpointer, **kwargs):
         with monkeypatch.context() as patch:
-            patch.setattr(preemption, "coordination_client", lambda: client)
+            patch.setattr(coordination, "coordination_client", lambda: client)
             patch.setattr(jax, "process_index", lambda: 1)
             patch.setattr(jax, "process_count", lambda: 2)
             return checkpoint.PreemptionHandler(checkpointer, **kwargs)

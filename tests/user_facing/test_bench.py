@@ -3,10 +3,11 @@
 Each benchmark checks what it can check without timing: run_overhead forces four CPU devices
 and fails on any retrace or compile while timed, checkpoint verifies every round trip,
 input_pipeline counts compiles while timed, mirrored forces two CPU devices and fails on any
-retrace, multi_worker starts jobs of one and of two processes and fails on any retrace, nnx fails
-on any retrace or compile while timed, loss_checks checks that its checks catch a negative batch
-size and fails on any compile while timed, sharded forces four CPU devices, fails on any retrace
-or compile while timed and skips its Keras rows without keras.
+retrace, multi_worker starts jobs of one and of two processes and fails on any retrace, then jobs
+of 2 and 4 processes that fail on any call to the coordinator per step for sources with a len(),
+nnx fails on any retrace or compile while timed, loss_checks checks that its checks catch a
+negative batch size and fails on any compile while timed, sharded forces four CPU devices, fails
+on any retrace or compile while timed and skips its Keras rows without keras.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import itertools
 import json
 import os
 import socket
@@ -38,14 +37,12 @@ from typing import Any
 
 import jax
 
-from jaxstrategy._src.cluster.coordination import value_when_set
+from jaxstrategy._src.cluster.coordination import KeyValueStore, new_namespace
 from jaxstrategy._src.core.errors import JaxStrategyError
-from jaxstrategy._src.core.jax_compat import coordination_client
 
 LOCK_FILE = ".jaxstrategy.lock"
 # How long the other processes of a job wait for process 0 to take the lock.
 AGREEMENT_TIMEOUT_S = 300
-_lock_serials = itertools.count()
 
 
 class CheckpointLockedError(JaxStrategyError, RuntimeError):
@@ -226,18 +223,18 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
     """
     if jax.process_count() == 1:
         return acquire(directory, caller)
-    client = coordination_client()
+    store = KeyValueStore()
     # The same on every process, which all save in the same order.
-    key = f"jaxstrategy/checkpoint_lock/{next(_lock_serials)}"
+    key = new_namespace("checkpoint_lock")
     if jax.process_index() == 0:
         try:
             result = acquire(directory, caller)
         except Exception as error:
-            client.key_value_set(key, json.dumps(_outcome(error)))
+            store.set(key, json.dumps(_outcome(error)))
             raise
-        client.key_value_set(key, json.dumps({}))
+        store.set(key, json.dumps({}))
         return result
-    reply = value_when_set(client, key, AGREEMENT_TIMEOUT_S * 1000)
+    reply = store.get_within(key, AGREEMENT_TIMEOUT_S * 1000)
     if reply is None:
         raise TimeoutError(
             f"{caller}: process {jax.process_index()} waited {AGREEMENT_TIMEOUT_S} s for process 0 "

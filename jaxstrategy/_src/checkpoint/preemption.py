@@ -33,7 +33,6 @@ the signal does what it did before any.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import signal
 import threading
@@ -47,11 +46,10 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.checkpoint.checkpointer import Checkpointer
-from jaxstrategy._src.cluster.coordination import value_when_set
+from jaxstrategy._src.cluster.coordination import KeyValueStore, new_namespace
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.device_spec import spans_processes
 from jaxstrategy._src.core.errors import caller_stacklevel
-from jaxstrategy._src.core.jax_compat import coordination_client
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.strategies.strategy import Strategy, get_strategy
 
@@ -64,7 +62,6 @@ _LOGGER = logging.getLogger("jaxstrategy")
 # ends within this when the loop does.
 _POLL_MS = 250
 _NOTICE_POLL_S = 1.0
-_handler_serials = itertools.count()
 
 _SignalHandler = Callable[[int, types.FrameType | None], Any] | int | None
 
@@ -181,7 +178,7 @@ class PreemptionHandler:
         self._requested = False
         self._process, self._num_processes = jax.process_index(), jax.process_count()
         self._multi_process = spans_processes(self._strategy.devices)
-        self._namespace = f"jaxstrategy/preemption/{next(_handler_serials)}"
+        self._namespace = new_namespace("preemption")
         self._previous: dict[int, _SignalHandler] = {}
         self._threads: list[threading.Thread] = []
         _linked.add(self)
@@ -194,7 +191,7 @@ class PreemptionHandler:
                     f"{caller}: cannot handle {signal.Signals(signum).name}: {error}."
                 ) from error
         if self._multi_process:
-            self._client = coordination_client()
+            self._store = KeyValueStore()
             # Before JAX's own shutdown (registered earlier): no watcher may be inside a call then.
             atexit.register(self.close)
             self._threads.append(
@@ -449,11 +446,7 @@ class PreemptionHandler:
         return f"{self._namespace}/{name}"
 
     def _request(self) -> None:
-        try:
-            self._client.key_value_set(self._key("request"), str(self._process))
-        except jax.errors.JaxRuntimeError as error:
-            if "ALREADY_EXISTS" not in str(error):  # Another process asked first: the same.
-                raise
+        self._store.set_once(self._key("request"), str(self._process))  # Or another asked first.
 
     def _announce(self) -> None:
         """Publish how many steps this process has started, once; it starts no more until the
@@ -462,7 +455,7 @@ class PreemptionHandler:
             if self._announced is not None:
                 return
             self._announced = self._step
-        self._client.key_value_set(self._key(f"position/{self._process}"), str(self._announced))
+        self._store.set(self._key(f"position/{self._process}"), str(self._announced))
 
     def _watch(self) -> None:
         try:
@@ -488,13 +481,8 @@ class PreemptionHandler:
 
     def _wait_for(self, key: str, deadline: float | None = None) -> str | None:
         """The value of `key` once set; None when the handler closes, or at `deadline`."""
-        while not self._closed.is_set():
-            value = value_when_set(self._client, key, _POLL_MS)
-            if value is not None:
-                return value
-            if deadline is not None and time.monotonic() > deadline:
-                return None  # The main thread reports the timeout.
-        return None
+        # At the deadline the main thread reports the timeout.
+        return self._store.wait_for(key, deadline=deadline, stop=self._closed, poll_ms=_POLL_MS)
 
 
 def _installable(previous: _SignalHandler) -> Callable[[int, types.FrameType | None], Any] | int:

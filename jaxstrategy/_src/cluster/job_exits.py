@@ -35,9 +35,9 @@ import time
 import types
 from typing import Any
 
-from jaxstrategy._src.core.jax_compat import coordination_client
+from jaxstrategy._src.cluster.coordination import PREFIX, KeyValueStore
 
-_PREFIX = "jaxstrategy/ended/"
+_PREFIX = f"{PREFIX}/ended/"
 _POLL_S = 0.5
 # How long a process that failed waits for the others to see its failure before it ends.
 _FAILED_WAIT_S = 10.0
@@ -53,8 +53,8 @@ EXIT_STATUS = 1
 class _Watch:
     """One process's view of its job's ends: what it announced, and what it has seen."""
 
-    def __init__(self, client: Any, process_id: int, num_processes: int, heartbeat_s: float):
-        self.client = client
+    def __init__(self, store: KeyValueStore, process_id: int, num_processes: int, heartbeat_s: float):
+        self.store = store
         self.process_id = process_id
         self.num_processes = num_processes
         self.heartbeat_s = heartbeat_s
@@ -69,11 +69,11 @@ class _Watch:
     def others_ended(self) -> dict[int, str]:
         """The other processes that announced their end, with their reasons."""
         try:
-            entries = self.client.key_value_dir_get(_PREFIX)
+            entries = self.store.values_under(_PREFIX)
         except Exception:  # The service is gone: JAX reports that itself.
             return {}
         ended = {}
-        for key, reason in entries:
+        for key, reason in entries.items():
             process = int(key.rpartition("/")[2])
             if process != self.process_id:
                 ended[process] = reason
@@ -81,17 +81,12 @@ class _Watch:
 
     def announce(self, reason: str) -> None:
         try:
-            self.client.key_value_set(f"{_PREFIX}{self.process_id}", reason, allow_overwrite=True)
+            self.store.set(f"{_PREFIX}{self.process_id}", reason, overwrite=True)
         except Exception:  # The service is gone: nobody is left to tell.
             pass
 
-    def _client_running(self) -> bool:
-        """Whether JAX's distributed runtime still runs with the client watched here (the
-        program may have called `jax.distributed.shutdown()`)."""
-        return coordination_client() is self.client
-
     def _watch(self) -> None:
-        while not self.ending.wait(_POLL_S) and self._client_running():
+        while not self.ending.wait(_POLL_S) and self.store.is_current():
             for process, reason in self.others_ended().items():
                 self.ended_elsewhere[process] = reason
                 if reason.startswith(_FATAL):
@@ -114,7 +109,7 @@ class _Watch:
             return
         self.ending.set()
         self.thread.join()
-        if not self._client_running():
+        if not self.store.is_current():
             return  # The program shut JAX down itself: its shutdown waited for every process.
         if self.failure is not None:
             self.announce(f"failed with {self.failure}")
@@ -159,12 +154,13 @@ class _Watch:
 _watch: _Watch | None = None
 
 
-def watch_job(client: Any, process_id: int, num_processes: int, heartbeat_s: float) -> None:
-    """Start watching the job's ends, once per process (see the module docstring)."""
+def watch_job(process_id: int, num_processes: int, heartbeat_s: float, *, client: Any = None) -> None:
+    """Start watching the job's ends, once per process (see the module docstring); through
+    `client`, JAX's coordination client when None."""
     global _watch
     if _watch is not None or num_processes < 2:
         return
-    _watch = _Watch(client, process_id, num_processes, heartbeat_s)
+    _watch = _Watch(KeyValueStore(client), process_id, num_processes, heartbeat_s)
     previous_hook = sys.excepthook
 
     def record_failure(

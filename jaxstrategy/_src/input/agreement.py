@@ -2,18 +2,39 @@
 
 Each process reads its own input. If one process's input ends while the others still have
 batches, the others would go on to a step the first never runs and wait forever in its
-collectives. So before each step's batch is handed out, the processes agree on how many of them
-have one, and a pass ends for all at the first step where not every process has one. They also
-check that their batches fit together: parts of different shapes (a short last batch on one
-process) would make a global array of memory nobody wrote, so that is an error on every process.
+collectives. So the processes agree on how many steps a pass has, and a pass ends for all at
+the first step where not every process has a batch. They also check that their batches fit
+together: parts of different shapes (a short last batch on one process) would make a global
+array of memory nobody wrote, so that is an error on every process.
 
-They agree through JAX's coordination service: the key-value store that every process of a
-`jax.distributed` job reaches through its coordinator. No device takes part, so agreeing runs in
-the input thread, ahead of the training steps, and never queues behind them. Each step costs one
-write and one atomic increment per process, one blocking read for all but the last to arrive,
-and one read of every signature for the last:
+They agree through JAX's coordination service (`cluster/coordination.py`). No device takes
+part, so agreeing runs in the input thread, ahead of the training steps, and never queues
+behind them. How often depends on whether every process's source has a length:
 
-- a process with a batch writes its signature (structure, shapes, dtypes) under the step;
+**Per pass, when every source has a `len()`** (a list, an array, a `tf.data` dataset of known
+cardinality): the processes agree twice per pass, and check each batch between on their own.
+
+- At the first step, each process posts its first batch's signature (structure, shapes,
+  dtypes) and its number of batches. The pass has the smallest number of steps; the signatures
+  must be equal.
+- At every step but the first and last, each process checks its batch against the first's
+  signature, with no call to the service. A batch of another shape, or a source that runs out
+  before its `len()`, is an error: this process raises it at that step and posts it, and the
+  other processes raise it when they reach the last step's agreement (or JAX ends them within
+  a second, through `job_exits`, once this process ends).
+- At the last step, each process posts its last batch's signature (a short last batch is
+  legal where every process's is alike) and whether its source has more to give, before that
+  batch is handed out. Different signatures, or a source that yields more or fewer batches than
+  its `len()` says, are an error on every process at that step; processes whose sources are
+  longer than the pass leave the rest unread, with today's warning.
+
+That is two rounds per pass of about 3N calls each (N processes), and none per step.
+
+**Per step, otherwise**: before each step's batch is handed out, the processes agree on how
+many of them have one. Each step costs one write and one atomic increment per process, one
+blocking read for all but the last to arrive, and one read of every signature for the last:
+
+- a process with a batch writes its signature under the step;
 - it adds `1 + has_batch * (num_processes + 1)` to the step's counter, so the sum
   carries both how many processes have arrived and how many of them have a batch;
 - the last to arrive publishes how many have a batch, or, when all have one but the signatures
@@ -24,6 +45,9 @@ and one read of every signature for the last:
 - at the step that ends the pass, each process counts itself out once it has the result, and
   the last one deletes the step's keys.
 
+The first step's agreement is the same in both: its posts carry each process's number of
+batches, so that every process takes the same way.
+
 A process that dies is not waited for here: JAX's heartbeat ends every other process. The
 timeout catches processes that, all alive, wait on different keys: datasets created or iterated
 in different orders.
@@ -32,31 +56,32 @@ in different orders.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import jax
 
-from jaxstrategy._src.cluster.coordination import value_when_set
-from jaxstrategy._src.core.jax_compat import coordination_client
+from jaxstrategy._src.cluster.coordination import KeyValueStore, new_namespace
 from jaxstrategy._src.input.replica_batches import DroppedBatch, HostBatch
 
 T = TypeVar("T")
 
 _POLL_MS = 1000
-_dataset_serials = itertools.count()
+# Between a step's signature and the number of batches its process's source says it has.
+_LENGTH_SEPARATOR = "\x1f"
 
 
 def new_dataset_namespace() -> str:
     """A key prefix for one distributed dataset: the same on every process, because every process
     creates the same datasets in the same order."""
-    return f"jaxstrategy/input/{next(_dataset_serials)}"
+    return new_namespace("input")
 
 
 class StepAgreement:
-    """How many processes have a batch at each step of one pass; see the module docstring.
+    """The processes' agreements over one pass; see the module docstring.
 
     Args:
       namespace: the pass's key prefix, the same on every process.
@@ -79,24 +104,34 @@ class StepAgreement:
         num_processes: int | None = None,
         process_id: int | None = None,
     ):
-        self._client = coordination_client() if client is None else client
+        self._store = KeyValueStore(client)
         self._num_processes = jax.process_count() if num_processes is None else num_processes
         self._process_id = jax.process_index() if process_id is None else process_id
         self._namespace = namespace
         self._stop = stop
         self._caller = caller
         self._timeout_s = timeout_s
+        # Every process's number of batches, once the first step agreed that every one has one.
+        self.lengths: list[int] | None = None
 
     @property
     def num_processes(self) -> int:
         return self._num_processes
 
-    def count(self, step: int, signature: str | None) -> int | None:
+    @property
+    def process_id(self) -> int:
+        return self._process_id
+
+    def count(self, step: int, signature: str | None, length: int = -1) -> int | None:
         """How many processes have a batch at `step`; None when the consumer went away meanwhile.
+
+        At step 0, `length` is this process's number of batches (negative when unknown); when
+        every process has a batch and a length, `lengths` holds them all afterwards.
 
         Args:
           step: the step, counted from 0 in the pass.
           signature: this process's batch's structure, shapes and dtypes; None when it has none.
+          length: at step 0, how many batches this process's source says it has.
 
         Raises:
           ValueError: every process has a batch, but their signatures differ (one program cannot
@@ -107,51 +142,111 @@ class StepAgreement:
         key = f"{self._namespace}/{step}"
         has_batch = signature is not None
         if has_batch:
-            self._client.key_value_set(f"{key}/signature/{self._process_id}", signature)
-        total = self._client.key_value_increment(f"{key}/count", 1 + int(has_batch) * (n + 1))
+            posted = f"{signature}{_LENGTH_SEPARATOR}{length}" if step == 0 else str(signature)
+            self._store.set(f"{key}/signature/{self._process_id}", posted)
+        total = self._store.increment(f"{key}/count", 1 + int(has_batch) * (n + 1))
         arrived, with_batch = total % (n + 1), total // (n + 1)
         result: str | None
         if arrived == n:
             result = str(with_batch)
             if with_batch == n:
-                signatures = dict(self._client.key_value_dir_get(f"{key}/signature/"))
-                if len(set(signatures.values())) > 1:
-                    result = _mismatch(signatures)
-            self._client.key_value_set(f"{key}/result", result)
+                result = _step_result(self._store.values_under(f"{key}/signature/"), n)
+            self._store.set(f"{key}/result", result)
             if step:
                 self._delete(step - 1)
         else:
-            result = self._wait_for_result(key, step)
+            result = self._wait_for(f"{key}/result", step, arrived=lambda count: count % (n + 1))
         if result is None:
             return None
-        if not result.isdigit():
+        if not result[0].isdigit():
             # Every process raises; the pass's keys stay, as a pass ended by an error may.
             raise ValueError(f"{self._caller}: at step {step} of this pass, {result}")
-        with_batch = int(result)
+        with_batch_text, _, lengths = result.partition(" ")
+        with_batch = int(with_batch_text)
+        if lengths:
+            self.lengths = [int(length) for length in lengths.split(",")]
         if with_batch < n:  # The pass ends here: the last one out cleans up.
-            if self._client.key_value_increment(f"{key}/done", 1) == n:
-                self._delete(step)
+            self.finish(step)
         return with_batch
 
-    def _delete(self, step: int) -> None:
-        self._client.key_value_delete(f"{self._namespace}/{step}")  # With every key under it.
+    def last_step(self, step: int, signature: str | None, has_more: bool) -> bool:
+        """Agree at the last step of a pass of known length; whether to hand out its batch.
 
-    def _wait_for_result(self, key: str, step: int) -> str | None:
+        Args:
+          step: the pass's last step (one less than its agreed number of steps).
+          signature: this process's batch there; None when its source ran out before it.
+          has_more: whether its source yields a batch after this one.
+
+        Returns:
+          True, unless the consumer went away meanwhile.
+
+        Raises:
+          ValueError: the processes' last batches differ, a source yields more or fewer batches
+            than its `len()` says, or another process posted an error during the pass.
+          TimeoutError: the other processes did not reach this step within the timeout.
+        """
+        n = self._num_processes
+        key = f"{self._namespace}/last"
+        mine = json.dumps({"signature": signature, "more": has_more})
+        self._store.set(f"{key}/post/{self._process_id}", mine)
+        if self._store.increment(f"{key}/count", 1) == n:
+            posts = self._store.values_under(f"{key}/post/")
+            result = _last_step_result(posts, self.lengths or [], step)
+            self._store.set(f"{key}/result", result)
+        else:
+            found = self._wait_for(f"{key}/result", step, arrived=lambda count: count, watch_errors=True)
+            if found is None:
+                return False
+            result = found
+        self.finish(step)
+        if result:
+            raise ValueError(f"{self._caller}: at step {step} of this pass, {result}")
+        return True
+
+    def post_error(self, message: str) -> None:
+        """Tell the other processes of an error that ends this pass here (they raise it at the
+        pass's last step); the first error posted wins."""
+        self._store.set_once(f"{self._namespace}/error", message)
+
+    def finish(self, step: int) -> None:
+        """Count this process out of the pass; the last one out deletes its keys."""
+        if self._store.increment(f"{self._namespace}/done/{step}", 1) == self._num_processes:
+            self._store.delete(self._namespace)  # With every key under it.
+
+    def _delete(self, step: int) -> None:
+        self._store.delete(f"{self._namespace}/{step}")  # With every key under it.
+
+    def _raise_posted_error(self) -> None:
+        posted = self._store.get_now(f"{self._namespace}/error")
+        if posted is not None:
+            raise ValueError(posted)
+
+    def _wait_for(
+        self, result_key: str, step: int, *, arrived: Callable[[int], int], watch_errors: bool = False
+    ) -> str | None:
+        """The result under `result_key` (the sibling of the round's `count`) once the last to
+        arrive publishes it; None when the consumer goes away first. `arrived` reads how many
+        processes arrived from the count. With `watch_errors`, an error another process posted
+        (`post_error`) ends the wait: it is raised here."""
         deadline = time.monotonic() + self._timeout_s
-        while not self._stop.is_set():
-            result = value_when_set(self._client, f"{key}/result", _POLL_MS)
-            if result is not None:
-                return result
-            if time.monotonic() > deadline:
-                arrived = int(self._client.key_value_try_get(f"{key}/count")) % (self._num_processes + 1)
-                raise TimeoutError(
-                    f"{self._caller}: process {self._process_id} waited {self._timeout_s:.0f} s for "
-                    f"the other processes to reach step {step} of this dataset's pass, and only "
-                    f"{arrived} of {self._num_processes} did. Every process must create and iterate "
-                    "the same distributed datasets in the same order (the same passes, and the same "
-                    "element_spec reads)."
-                )
-        return None
+        result = self._store.wait_for(
+            result_key,
+            deadline=deadline,
+            stop=self._stop,
+            poll_ms=_POLL_MS,
+            interrupt=self._raise_posted_error if watch_errors else None,
+        )
+        if result is None and not self._stop.is_set():
+            count_key = f"{result_key.rpartition('/')[0]}/count"
+            how_many = arrived(int(self._store.get_now(count_key) or 0))
+            raise TimeoutError(
+                f"{self._caller}: process {self._process_id} waited {self._timeout_s:.0f} s for "
+                f"the other processes to reach step {step} of this dataset's pass, and only "
+                f"{how_many} of {self._num_processes} did. Every process must create and iterate "
+                "the same distributed datasets in the same order (the same passes, and the same "
+                "element_spec reads)."
+            )
+        return result
 
 
 def batch_signature(batch: Any) -> str:
@@ -163,14 +258,59 @@ def batch_signature(batch: Any) -> str:
     return f"{batch.treedef}: {leaves}{mask}"
 
 
-def _mismatch(signatures: dict[str, str]) -> str:
-    by_process = sorted((int(key.rpartition("/")[2]), signature) for key, signature in signatures.items())
-    lines = "".join(f"\n  process {process}: {signature}" for process, signature in by_process)
+def _step_result(posts: dict[str, str], n: int) -> str:
+    """What the last to arrive publishes at a step where every process has a batch: the number,
+    with every process's number of batches when all know theirs (at step 0), or the mismatch."""
+    signatures, lengths = {}, {}
+    for key, posted in posts.items():
+        process = int(key.rpartition("/")[2])
+        signature, _, length = posted.partition(_LENGTH_SEPARATOR)
+        signatures[process] = signature
+        lengths[process] = int(length) if length else -1
+    if len(set(signatures.values())) > 1:
+        return _mismatch(signatures)
+    if len(lengths) == n and all(length >= 0 for length in lengths.values()):
+        return f"{n} " + ",".join(str(lengths[p]) for p in range(n))
+    return str(n)
+
+
+def _mismatch(signatures: dict[int, str]) -> str:
+    lines = "".join(
+        f"\n  process {process}: {signature}" for process, signature in sorted(signatures.items())
+    )
     return (
         "the processes' batches differ in structure, shape or dtype, so they cannot make one "
         f"global batch (one program runs on every replica):{lines}\nGive every process batches "
         "of the same shapes: the same per-process batch size, with the remainder dropped "
         "(drop_remainder=True) or padded (InputOptions(partial_batch='pad'))."
+    )
+
+
+def _last_step_result(posts: dict[str, str], lengths: list[int], step: int) -> str:
+    """What the last to arrive at a pass's last step publishes: '' to go on, else the error."""
+    by_process = {int(key.rpartition("/")[2]): json.loads(value) for key, value in posts.items()}
+    steps = step + 1
+    liars = []
+    for process, post in sorted(by_process.items()):
+        said = lengths[process] if process < len(lengths) else steps
+        if post["signature"] is None:
+            liars.append(_length_lie(process, said, f"only {step}"))
+        elif said == steps and post["more"]:
+            liars.append(_length_lie(process, said, f"more than {said}"))
+        elif said > steps and not post["more"]:
+            liars.append(_length_lie(process, said, f"only {steps}"))
+    if liars:
+        return "\n".join(liars)
+    signatures = {process: post["signature"] for process, post in by_process.items()}
+    return _mismatch(signatures) if len(set(signatures.values())) > 1 else ""
+
+
+def _length_lie(process: int, said: int, yielded: str) -> str:
+    return (
+        f"the input of process {process} says it has {said} batch(es) (its source's len()), but it "
+        f"yields {yielded}. The processes agree on a pass's steps from those lengths, so a length "
+        "that is wrong would leave processes waiting for each other. Make the source's __len__ "
+        "return the number of elements its __iter__ yields, or give it no __len__."
     )
 
 
@@ -181,37 +321,111 @@ def agreed_steps(
 
     `DroppedBatch` items pass through without a step of their own. When the processes' inputs
     end at different steps, a `DroppedBatch` carrying the warning comes last on every process.
+    When every process knows its number of batches, only the pass's first and last steps are
+    agreed on (see the module docstring).
 
     Args:
       batches: this process's batches for one pass.
       agreement: the pass's `StepAgreement`.
       cardinality: how many batches `batches` yields, or a negative number when unknown.
-      caller: the call to name in the warning.
+      caller: the call to name in messages.
+
+    Raises:
+      ValueError: the processes' batches do not fit together, or a source's `len()` is wrong.
+      TimeoutError: the other processes did not reach a step within the agreement's timeout.
     """
     n = agreement.num_processes
     for step in itertools.count():
-        item = next(batches, None)
-        while isinstance(item, DroppedBatch):
-            yield item
-            item = next(batches, None)
+        item = yield from _next_batch(batches)
         has_batch = item is not None
-        with_batch = agreement.count(step, batch_signature(item) if has_batch else None)
+        signature = batch_signature(item) if has_batch else None
+        with_batch = agreement.count(step, signature, cardinality if step == 0 else -1)
         if with_batch is None:
             return  # The consumer went away.
         if with_batch == n:
             assert item is not None  # Every process has a batch, this one included.
+            if agreement.lengths is not None:
+                yield from _agreed_pass(item, batches, agreement, caller=caller)
+                return
             yield item
             continue
         if with_batch:
-            if has_batch:
-                left = f"{cardinality - step} batch(es)" if cardinality >= 0 else "at least one batch"
-                here = f"this process leaves {left} unread"
-            else:
-                here = "this process's input is one of those that ended"
-            yield DroppedBatch(
-                f"{caller}: the input of {n - with_batch} of {n} processes ended at step {step} while "
-                f"the others still had batches, so every process ends this pass there (going on would "
-                f"wait forever in the step's collectives); {here}. Give every process the same "
-                "number of batches, for example by sharding the data evenly and dropping the remainder."
-            )
+            yield _ended_elsewhere(step, n, with_batch, has_batch, cardinality - step, caller)
         return
+
+
+def _agreed_pass(
+    first: T, batches: Iterator[T], agreement: StepAgreement, *, caller: str
+) -> Iterator[T | DroppedBatch]:
+    """A pass whose every process knows its number of batches, from its first batch on, which
+    every process has and whose signature they agreed on at step 0."""
+    lengths = agreement.lengths
+    assert lengths is not None
+    n, me, steps = len(lengths), agreement.process_id, min(lengths)
+    if steps < 1:  # Every process had a first batch, so a source that says it has none lied.
+        raise ValueError(
+            f"{caller}: at step 0 of this pass, {_length_lie(lengths.index(steps), steps, 'some')}"
+        )
+    signature = batch_signature(first)
+    item: T | None = first
+    for step in range(1, steps):
+        yield item  # type: ignore[misc]  # Agreed at step 0, or checked below.
+        item = yield from _next_batch(batches)
+        if step == steps - 1:
+            break  # The last step: agreed on below.
+        problem = None
+        if item is None:
+            problem = _length_lie(me, lengths[me], f"only {step}")
+        elif (found := batch_signature(item)) != signature:
+            problem = _unlike_first(me, found, signature)
+        if problem is not None:
+            message = f"{caller}: at step {step} of this pass, {problem}"
+            agreement.post_error(message)
+            raise ValueError(message)
+    has_more = (yield from _next_batch(batches)) is not None
+    if not agreement.last_step(steps - 1, None if item is None else batch_signature(item), has_more):
+        return  # The consumer went away.
+    yield item  # type: ignore[misc]  # Agreed on at the last step.
+    with_batch = sum(length > steps for length in lengths)
+    if with_batch:
+        yield _ended_elsewhere(steps, n, with_batch, lengths[me] > steps, lengths[me] - steps, caller)
+
+
+def _next_batch(batches: Iterator[T]) -> Generator[DroppedBatch, None, T | None]:
+    """Pass on the `DroppedBatch` items up to the next batch, and return that batch (None at
+    the end): `item = yield from _next_batch(batches)`."""
+    item = next(batches, None)
+    while isinstance(item, DroppedBatch):
+        yield item
+        item = next(batches, None)
+    return item
+
+
+def _unlike_first(process: int, found: str, first: str) -> str:
+    return (
+        f"process {process}'s batch is {found}, but the pass's first batch, alike on every process, "
+        f"was {first}. With a len(), every batch of a pass but the last must have the first's "
+        "structure, shape and dtype, since the processes check them without asking each other. "
+        "Give every process batches of the same shapes (the remainder dropped with "
+        "drop_remainder=True, or padded with InputOptions(partial_batch='pad')), or, for batches "
+        "whose shapes change within a pass, a source without a len(), whose batches the processes "
+        "compare step by step."
+    )
+
+
+def _ended_elsewhere(
+    step: int, n: int, with_batch: int, has_batch: bool, left: int, caller: str
+) -> DroppedBatch:
+    """The warning where the inputs of `n - with_batch` processes ended at `step` while the
+    others' went on; `left` is how many batches this process leaves unread (negative: unknown)."""
+    if has_batch:
+        unread = f"{left} batch(es)" if left >= 0 else "at least one batch"
+        here = f"this process leaves {unread} unread"
+    else:
+        here = "this process's input is one of those that ended"
+    return DroppedBatch(
+        f"{caller}: the input of {n - with_batch} of {n} processes ended at step {step} while "
+        f"the others still had batches, so every process ends this pass there (going on would "
+        f"wait forever in the step's collectives); {here}. Give every process the same "
+        "number of batches, for example by sharding the data evenly and dropping the remainder."
+    )

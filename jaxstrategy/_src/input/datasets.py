@@ -70,8 +70,9 @@ def _buffer_size(options: InputOptions, layout: ReplicaLayout, sources: list[Any
     if options.experimental_per_replica_buffer_size is not None:
         return options.experimental_per_replica_buffer_size
     on_cpu = all(device.platform == "cpu" for device in layout.sharding.device_set)  # type: ignore[attr-defined]
-    # Across processes the thread also runs the processes' agreement on each step (round trips to
-    # the coordinator), which it keeps off the step's path.
+    # Across processes the thread also runs the processes' agreement (round trips to the
+    # coordinator: at a pass's first and last steps, or at every step of a source without a
+    # len()), which it keeps off the step's path.
     if on_cpu and not layout.is_multi_process and all(is_in_memory(s) for s in sources):
         return 0
     return _DOUBLE_BUFFER
@@ -191,7 +192,7 @@ class DistributedDataset:
         self._placer = BatchPlacer(layout, on_device=on_device)
         self._keep_jax_arrays = not layout.stacked  # See `host_elements`.
         self._caller = caller
-        # Where processes read their own inputs, they agree batch by batch where a pass ends.
+        # Where processes read their own inputs, they agree where a pass ends (input/agreement.py).
         self._agreement_namespace = new_dataset_namespace() if layout.is_multi_process else None
         self._input_timeout_s = layout.input_timeout_s
         # Every pass started, restored ones included: each gets its own agreement namespace.
@@ -235,7 +236,9 @@ class DistributedDataset:
             agreement = StepAgreement(
                 namespace, stop=stopped, caller=self._caller, timeout_s=self._input_timeout_s
             )
-            batches = agreed_steps(batches, agreement, cardinality=self._cardinality, caller=self._caller)
+            # A restored pass has the batches after its position left.
+            left = self._cardinality - position.batches if self._cardinality >= 0 else self._cardinality
+            batches = agreed_steps(batches, agreement, cardinality=left, caller=self._caller)
         prefetch = PrefetchIterator(
             _marked(batches, readers),
             self._place_marked,
