@@ -7,11 +7,15 @@ tests/strategies/test_multi_worker_agreements.py.
 from __future__ import annotations
 
 import gc
+import os
 import re
+import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxstrategy._src.cluster.program_agreement import ProgramAgreement, jaxpr_fingerprint
@@ -195,3 +199,66 @@ def test_arguments_that_are_not_arrays_reach_the_program_as_they_are():
     fingerprinted = jax.jit(check.fingerprinting(step, step), static_argnames="mode")
     assert fingerprinted(jnp.ones(2), mode="double").tolist() == [2.0, 2.0]
     assert fingerprinted(jnp.ones(2), mode="keep").tolist() == [1.0, 1.0]
+
+
+def test_a_check_nobody_holds_ends_its_thread():
+    check = ProgramAgreement(caller=CALLER, client=Store(), num_processes=1, process_id=0, calls_per_round=4)
+    for _ in range(8):
+        check.record(train_step)
+    check.settle()
+    thread = check._comparer
+    assert thread is not None and thread.is_alive()
+    del check
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_closure_s_array_values_change_the_fingerprint():
+    def closing_over(values):
+        return lambda x: x + values
+
+    def fingerprint(values):
+        return jaxpr_fingerprint(jax.jit(closing_over(values)).trace(jnp.ones(4)).jaxpr)
+
+    assert fingerprint(np.full(4, 1.0, np.float32)) == fingerprint(np.full(4, 1.0, np.float32))
+    assert fingerprint(np.full(4, 1.0, np.float32)) != fingerprint(np.full(4, 2.0, np.float32))
+
+
+def test_a_code_fingerprint_is_the_same_whatever_each_process_s_string_hashing():
+    # A set literal is a frozenset constant, whose order follows PYTHONHASHSEED.
+    script = (
+        "from jaxstrategy._src.cluster.program_agreement import _code_fingerprint\n"
+        "def step(x, mode='train'):\n"
+        "    return x if mode in {'train', 'finetune', 'warmup', 'eval'} else -x\n"
+        "print(_code_fingerprint(step))\n"
+    )
+    prints = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(prints) == 1, prints
+
+
+def test_a_step_made_of_the_caller_s_function_names_that_function():
+    check = ProgramAgreement(caller=CALLER, client=Store(), num_processes=1, process_id=0)
+
+    class StepOfObjects:  # What `run` makes of a function called with NNX objects.
+        def __init__(self, user_function):
+            self.program_of = lambda: user_function
+
+        def __call__(self, x):
+            return x + 1
+
+    step = StepOfObjects(train_step)
+    jax.jit(check.fingerprinting(step, step))(jnp.ones(2))
+    check.record(train_step)
+    check.record(train_step)
+    assert re.fullmatch(r".*train_step \(program [0-9a-f]{8}\)", check._round[0][0])

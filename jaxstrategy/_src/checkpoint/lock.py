@@ -241,6 +241,10 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
             f"to lock {directory} for the job, in vain. Every process of the job must save, in "
             "the same order."
         )
+    # The last process to read the outcome deletes it: a save per key would otherwise pile up in
+    # the coordinator for the whole job.
+    if store.increment(f"{key}/read", 1) == jax.process_count() - 1:
+        store.delete(key)
     outcome = json.loads(reply)
     if outcome:
         raise _error(outcome)

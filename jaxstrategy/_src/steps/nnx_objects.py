@@ -220,6 +220,7 @@ def run_with_objects(
     found: Found,
     caller: str,
     donated: frozenset[int] = frozenset(),
+    named_after: Callable[..., Any] | None = None,
 ) -> PyTree:
     """`run(fn, args, kwargs, options)` for arguments holding objects, whose new state `fn` leaves
     in them.
@@ -231,6 +232,8 @@ def run_with_objects(
       found: the objects in `(args, kwargs)`, and the rest of them.
       caller: the call to name in messages.
       donated: the positions in `found.objects` of the objects whose state is donated.
+      named_after: what the caller passed to `run` as its function (a Module called as one, say,
+        where `fn` calls it), which the step made of `fn` names as `program_of` (`fn` if None).
     """
     traversal = _traverse(found.objects)
     values = [
@@ -244,7 +247,9 @@ def run_with_objects(
     donated_leaves = (
         tuple(i for i, path in enumerate(traversal.paths) if path[0] in donated) if donated else ()
     )
-    step = _step_with_objects(fn, traversal.graphdef_key, found.holes, caller, donated_leaves, len(values))
+    step = _step_with_objects(
+        fn, traversal.graphdef_key, found.holes, caller, donated_leaves, len(values), named_after or fn
+    )
     if donated_leaves:
         if (shared := _donated_array_shared(values, donated_leaves, found, traversal, caller)) is not None:
             raise shared
@@ -483,17 +488,19 @@ def _step_with_objects(
     caller: str,
     donated: tuple[int, ...],
     count: int,
+    named_after: Callable[..., Any],
 ) -> _StepWithObjects:
     """The step `run` compiles for `fn` with objects of this structure, the same object every
-    call, so `run` finds it compiled (on its fast path). It holds `fn` weakly, and goes when `fn`
-    (or a bound method's object) does."""
-    key = (function_key(fn), graphdef_key, holes, caller, donated)
+    call, so `run` finds it compiled (on its fast path). It holds `fn` and `named_after` weakly,
+    and goes when `fn` (or a bound method's object) does."""
+    key = (function_key(fn), graphdef_key, holes, caller, donated, function_key(named_after))
     step = _STEPS.get(key)
     if step is not None:
         _STEPS.move_to_end(key)
         return step
     step = _STEPS[key] = _StepWithObjects(
         weak_resolver(fn),
+        weak_resolver(named_after),
         getattr(fn, "__name__", "step"),
         graphdef_key.graphdef,
         holes,
@@ -520,6 +527,9 @@ class _StepWithObjects:
     """
 
     resolve: Callable[[], Callable[..., PyTree]]
+    # What was passed to `run` as its function: a program check names this step's traced program
+    # after it (`program_of`), since that is what each `run` call reports.
+    program_of: Callable[[], Callable[..., Any]]
     name: str
     graphdef: Any
     holes: _Holes

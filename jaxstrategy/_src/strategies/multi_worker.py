@@ -193,8 +193,9 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         the processes compare the programs they ran every 64 calls (through JAX's coordination
         service, in a thread), and where one ran another program at some call (a branch on
         `jax.process_index()`, a closure made differently on one process), `run` raises on every
-        process, naming the call and both programs, instead of letting the collectives exchange
-        mismatched data. It costs each call well under a microsecond.
+        process (the one that finds it, then the others through the job's exit watch), naming the
+        call and both programs, instead of letting the collectives exchange mismatched data. It
+        costs each call about a microsecond.
 
         Args:
           fn: the function to run; it must return a pytree of arrays.

@@ -163,7 +163,7 @@ class RunPath:
         # costs as much as the rest of run's checks.
         require_representable(args, caller=caller, name="args", is_leaf=nnx_objects.is_object)
         require_representable(kwargs, caller=caller, name="kwargs", is_leaf=nnx_objects.is_object)
-        user_args = args
+        user_fn, user_args = fn, args
         fn, args = nnx_objects.callee_as_argument(fn, args)
         found = nnx_objects.find_objects((args, kwargs))
         if found is None:
@@ -178,7 +178,7 @@ class RunPath:
                     "options; or pass the objects' state (nnx.split) in their place."
                 )
             donated = nnx_objects.donated_objects(found, user_args, kwargs, options, caller)
-        return nnx_objects.run_with_objects(self._run_unpacked, fn, found, caller, donated)
+        return nnx_objects.run_with_objects(self._run_unpacked, fn, found, caller, donated, user_fn)
 
     def _run_unpacked(
         self, fn: StepFn, args: tuple[Any, ...], kwargs: dict[str, Any], options: RunOptions | None
