@@ -262,3 +262,32 @@ def test_a_step_made_of_the_caller_s_function_names_that_function():
     check.record(train_step)
     check.record(train_step)
     assert re.fullmatch(r".*train_step \(program [0-9a-f]{8}\)", check._round[0][0])
+
+
+def test_rounds_close_at_calls_4_8_16_32_64_then_every_64_so_short_jobs_are_compared():
+    _, (check,) = processes(n=1, calls_per_round=64)
+    closed = []
+    for call in range(1, 200):
+        check.record(train_step)
+        if check._closed_at == call:
+            closed.append(call)
+    check.settle()
+    assert closed == [4, 8, 16, 32, 64, 128, 192]
+
+
+def test_a_branch_at_call_3_is_found_in_a_job_of_a_dozen_calls():
+    _, (first, second) = processes(calls_per_round=64)
+    raised_at = {}
+    for call in range(12):
+        for process, check in enumerate((first, second)):
+            if process in raised_at:
+                continue
+            try:
+                check.record(other_step if process == 1 and call >= 3 else train_step)
+            except RuntimeError:
+                raised_at[process] = call
+            check.settle()
+    # Call 3 is in the round of calls 3 to 6, closed by the eighth call: the last to arrive there
+    # (process 1) raises at its next call. Process 0 would read the verdict at its next round
+    # (the 16th call); in a job, process 1's error ends it sooner (cluster/job_exits.py).
+    assert raised_at == {1: 8}

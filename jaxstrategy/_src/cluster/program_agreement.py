@@ -13,8 +13,9 @@ and the processes compare them now and then, through JAX's coordination service:
   value baked into the trace, changes the fingerprint;
 - each `run` call appends its program to this process's round: about a microsecond (0.8-1.5 µs
   measured), and no call to the service;
-- every `CALLS_PER_ROUND` calls the round is closed and handed to a thread of this check, so
-  that no step waits for a round trip to the coordinator. The thread posts the round
+- every `CALLS_PER_ROUND` calls (more often at first: see `FIRST_ROUND_CALLS`) the round is
+  closed and handed to a thread of this check, so that no step waits for a round trip to the
+  coordinator. The thread posts the round
   (run-length encoded: one entry per run of calls of one program, so a training loop posts
   one short line) and counts itself in; the last process to arrive compares every process's
   round with process 0's and, where they differ, posts the first difference: which call, and
@@ -28,10 +29,10 @@ arrive at the round that covers it, which raises within `CALLS_PER_ROUND` calls 
 calls it makes during that round's round trips to the coordinator, a few milliseconds). The
 others read the verdict a round later, if they get there: where the step has collectives they
 wait in the next one for the process that raised, and that error, uncaught, ends them through
-`cluster/job_exits.py` with the same text. A job's last round, of fewer than
-`CALLS_PER_ROUND` calls, is not compared. A round costs each process three calls
-to the service, and the last to arrive two more: `3N + 2` in all every `CALLS_PER_ROUND`
-steps, made by the thread.
+`cluster/job_exits.py` with the same text. A job's last round, not closed, is not compared.
+A round costs each process three calls to the service, and the last to arrive two more:
+`3N + 2` in all every `CALLS_PER_ROUND` steps (and four more rounds in the first 32), made by
+the thread.
 
 Programs whose collectives do not match (another shape, another number of them) may instead
 fail or hang inside XLA before the next round; this check is for the ones that run.
@@ -56,10 +57,14 @@ import numpy as np
 from jaxstrategy._src.cluster.coordination import KeyValueStore, new_namespace
 from jaxstrategy._src.core.types import PyTree
 
-# How many `run` calls a round covers: the bound, in calls, within which one process finds a
-# difference (every process within twice this), and the number of steps over which a round's
-# 3N + 2 calls to the service are spread.
+# How many `run` calls a round covers, once a job has run a while: the bound, in calls, within
+# which one process finds a difference, and the number of steps over which a round's 3N + 2
+# calls to the service are spread.
 CALLS_PER_ROUND = 64
+# The first round's calls. Each round after covers as many calls as all before it, up to
+# CALLS_PER_ROUND (rounds close at calls 4, 8, 16, 32, 64, then every 64), so that a job's first
+# steps, where a branch on the process usually shows, and short jobs are compared early.
+FIRST_ROUND_CALLS = 4
 # Memory addresses in the printed jaxpr (of functions held by custom_jvp, say) differ between
 # processes running the same program.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -129,6 +134,9 @@ class ProgramAgreement:
         self._names: dict[Hashable, str] = {}
         self._calls = 0
         self._rounds = 0
+        # The call count at which the current round closes, and at which the last one closed.
+        self._closes_at = min(FIRST_ROUND_CALLS, calls_per_round)
+        self._closed_at = 0
         # This round's programs so far, as [name, number of calls in a row].
         self._round: list[list[Any]] = []
         # The previous call's function: it is named once its call traced it (or not).
@@ -137,7 +145,7 @@ class ProgramAgreement:
         self._difference: str | None = None
         # Rounds closed and not yet compared, for the thread that talks to the service (started
         # at the first round), so that no step waits for a round trip to the coordinator.
-        self._rounds_to_compare: queue.Queue[tuple[int, str] | None] = queue.Queue()
+        self._rounds_to_compare: queue.Queue[tuple[int, int, str] | None] = queue.Queue()
         self._comparer: threading.Thread | None = None
         self._closed = False
 
@@ -188,7 +196,7 @@ class ProgramAgreement:
         if previous is not None:
             self._append(previous)
         self._calls += 1
-        if self._calls % self._calls_per_round == 0:
+        if self._calls == self._closes_at:
             self._close_round()
 
     def settle(self) -> None:
@@ -228,6 +236,11 @@ class ProgramAgreement:
 
     def _close_round(self) -> None:
         posted, self._round = json.dumps(self._round), []
+        # The round's first call, counted from 0: each round ends with the call before the one
+        # that closes it (named only once that call traced it), so each starts one call early.
+        first_call = max(0, self._closed_at - 1)
+        self._closed_at = self._calls
+        self._closes_at = self._calls + min(self._calls, self._calls_per_round)
         if self._comparer is None:
             # The thread holds the check weakly, so that a check nobody uses any more (its
             # strategy collected) is collected too, which ends the thread.
@@ -240,17 +253,17 @@ class ProgramAgreement:
             self._comparer.start()
             weakref.finalize(self, self._rounds_to_compare.put, None)
             _RUNNING.add(self)
-        self._rounds_to_compare.put((self._rounds, posted))
+        self._rounds_to_compare.put((self._rounds, first_call, posted))
         self._rounds += 1
 
-    def _compare_round(self, item: tuple[int, str]) -> None:
+    def _compare_round(self, item: tuple[int, int, str]) -> None:
         try:
             if not self._closed and self._store.is_current() and self._difference is None:
                 self._compare(*item)
         except Exception:  # The service is gone (the job is ending): JAX reports that.
             self._closed = True
 
-    def _compare(self, round_index: int, posted: str) -> None:
+    def _compare(self, round_index: int, first_call: int, posted: str) -> None:
         """Post this process's round; the last to arrive compares them all; read the verdict."""
         n, me = self._num_processes, self._process_id
         here = f"{self._namespace}/{round_index}"
@@ -261,9 +274,6 @@ class ProgramAgreement:
                 for key, value in self._store.values_under(f"{here}/round/").items()
             }
             self._store.delete(here)  # Every process posted; only this one reads them.
-            # The round's first call, counted from 0: each round ends with the call before the
-            # one that closes it (named only once that call traced it): the first is one short.
-            first_call = max(0, round_index * self._calls_per_round - 1)
             difference = _first_difference(rounds, first_call)
             if difference is not None:
                 self._store.set_once(f"{self._namespace}/difference", difference)
@@ -274,14 +284,14 @@ class ProgramAgreement:
             f"{self._caller}: {self._difference}. Collectives between different programs exchange "
             f"mismatched data without an error, so every process stops (this one at call "
             f"{self._calls}; the processes compare their programs every {self._calls_per_round} "
-            "calls). Every process must call run with the same function, traced alike, at the same "
-            "step: look for a branch on jax.process_index() around or inside the step, or a "
-            "function or closure made differently on some process."
+            "calls, more often at first). Every process must call run with the same function, "
+            "traced alike, at the same step: look for a branch on jax.process_index() around or "
+            "inside the step, or a function or closure made differently on some process."
         )
 
 
 def _compare_rounds(
-    rounds: queue.Queue[tuple[int, str] | None], agreement: weakref.ref[ProgramAgreement]
+    rounds: queue.Queue[tuple[int, int, str] | None], agreement: weakref.ref[ProgramAgreement]
 ) -> None:
     """The thread of a `ProgramAgreement`: compare each round handed over, until the check is
     closed or collected (each puts None)."""

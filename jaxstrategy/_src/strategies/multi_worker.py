@@ -190,12 +190,12 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
 
         Everything `OneDeviceStrategy.run` says holds. In a job of several processes, every
         process must also call `run` with the same function, traced alike, at the same step:
-        the processes compare the programs they ran every 64 calls (through JAX's coordination
-        service, in a thread), and where one ran another program at some call (a branch on
-        `jax.process_index()`, a closure made differently on one process), `run` raises on every
-        process (the one that finds it, then the others through the job's exit watch), naming the
-        call and both programs, instead of letting the collectives exchange mismatched data. It
-        costs each call about a microsecond.
+        the processes compare the programs they ran at the 4th, 8th, 16th, 32nd and 64th calls,
+        then every 64 (through JAX's coordination service, in a thread), and where one ran
+        another program at some call (a branch on `jax.process_index()`, a closure made
+        differently on one process), `run` raises on every process (the one that finds it, then
+        the others through the job's exit watch), naming the call and both programs, instead of
+        letting the collectives exchange mismatched data. It costs each call about a microsecond.
 
         Args:
           fn: the function to run; it must return a pytree of arrays.
