@@ -174,8 +174,6 @@ def build_cases(strategy: jaxstrategy.Strategy, by_hand: Callable[..., Callable[
     scalar = strategy.put(np.float32(1.5))
     int_jit, int_run = pair("python int", double)
     scalar_jit, scalar_run = pair("device scalar", double)
-    mlp_jit, mlp_run = pair("8 leaves + batch", mlp_sgd_step)
-    numpy_jit, numpy_run = pair("8 leaves + numpy batch", mlp_sgd_step)
     cases = [
         Case(
             "python int",
@@ -190,23 +188,19 @@ def build_cases(strategy: jaxstrategy.Strategy, by_hand: Callable[..., Callable[
             call_loop(lambda: strategy.run(scalar_run, args=(scalar,))),
             500,
         ),
-        Case(
-            "8 leaves + batch",
-            training_loop(lambda p, b: mlp_jit(p, b), strategy.put(params), placed_batch, wait),
-            training_loop(
-                lambda p, b: strategy.run(mlp_run, args=(p, b)), strategy.put(params), placed_batch
-            ),
-            200,
-        ),
-        Case(
-            "8 leaves + numpy batch",
-            training_loop(lambda p, b: numpy_jit(p, b), strategy.put(params), host_batch, wait),
-            training_loop(
-                lambda p, b: strategy.run(numpy_run, args=(p, b)), strategy.put(params), host_batch
-            ),
-            200,
-        ),
     ]
+    for name, batch in (("8 leaves + batch", placed_batch), ("8 leaves + numpy batch", host_batch)):
+        mlp_jit, mlp_run = pair(name, mlp_sgd_step)
+        cases.append(
+            Case(
+                name,
+                training_loop(lambda p, b, j=mlp_jit: j(p, b), strategy.put(params), batch, wait),
+                training_loop(
+                    lambda p, b, r=mlp_run: strategy.run(r, args=(p, b)), strategy.put(params), batch
+                ),
+                200,
+            )
+        )
     batch_16 = strategy.put(np.ones(16, np.float32))
     for count, calls in ((100, 40), (600, 8)):
         many_jit, many_run = pair(f"{count} leaves", move_towards)

@@ -114,13 +114,8 @@ class RunPath:
                     if takes:
                         try:
                             return entry(*args)
-                        except NeedsSlowPath:
-                            pass
-                        except TypeError:
-                            if not has_static_leaves(args):
-                                raise
-                        except ValueError:
-                            if not self._layout_may_change:
+                        except (NeedsSlowPath, TypeError, ValueError) as error:
+                            if not self._entry_refused(error, args):
                                 raise
             return self.checked(fn, args, kwargs, options)
         except _PYTHON_CONTROL_ON_A_TRACED_VALUE as error:
@@ -190,15 +185,22 @@ class RunPath:
         if entry is not None and fast_entry_takes(self._strategy, args):
             try:
                 return entry(*args)
-            except NeedsSlowPath:
-                pass
-            except TypeError:
-                if not has_static_leaves(args):
-                    raise
-            except ValueError:
-                if not self._layout_may_change:
+            except (NeedsSlowPath, TypeError, ValueError) as error:
+                if not self._entry_refused(error, args):
                     raise
         return self._steps(fn, args, kwargs, options)
+
+    def _entry_refused(self, error: Exception, args: tuple[Any, ...]) -> bool:
+        """Whether `error`, raised by a fast entry called with `args`, means the entry refused
+        the call (which then takes `StepCache`'s path) rather than the step failing: the program
+        asked for the slow path (`NeedsSlowPath`), jit rejected an argument that is not an array
+        before tracing (a `TypeError` with such leaves), or the layout changed (a `ValueError`
+        where the layout depends on the arguments)."""
+        if isinstance(error, NeedsSlowPath):
+            return True
+        if isinstance(error, TypeError):
+            return has_static_leaves(args)
+        return self._layout_may_change
 
 
 # What Python control flow on an argument of `run` raises while `fn` is traced.
