@@ -22,8 +22,12 @@ from jaxstrategy._src.strategies.mirrored import MirroredStrategy as MirroredStr
 from jaxstrategy._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from jaxstrategy._src.strategies.multi_worker_sharded import (
+    MultiWorkerShardedStrategy as MultiWorkerShardedStrategy,
+)
 from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 from jaxstrategy._src.strategies.sharded import ShardedStrategy as ShardedStrategy
+from jaxstrategy._src.strategies.sharded import with_sharding_constraint as with_sharding_constraint
 from jaxstrategy._src.strategies.strategy import Strategy as Strategy
 from jaxstrategy._src.strategies.strategy import StrategyExtended as StrategyExtended
 from jaxstrategy._src.strategies.strategy import experimental_set_strategy as experimental_set_strategy
@@ -68,6 +72,7 @@ __all__ = (
     "JaxStrategyError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "MultiWorkerShardedStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
@@ -87,4 +92,5 @@ __all__ = (
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "with_sharding_constraint",
 )

@@ -314,16 +314,17 @@ def test_nnx_annotations_decide_the_layout_through_logical_rules(cpu_devices):
 
 def test_an_nnx_annotation_off_the_mesh_is_an_error_naming_the_variable(cpu_devices):
     strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2)
-    with jax.set_mesh(jax.sharding.Mesh(np.array(cpu_devices[:4]).reshape(2, 2), ("data", "model"))):
+    with jax.set_mesh(jax.sharding.Mesh(np.array(cpu_devices[:4]).reshape(2, 2), ("data", "tensor"))):
         model = nnx.Linear(
             8,
             6,
-            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")),
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tensor")),
             rngs=nnx.Rngs(0),
         )
     with pytest.raises(
         ValueError,
-        match=r"the Flax Variable '0/0/kernel' is annotated \(None, 'model'\), naming 'model'.*nnx.logical_axis_rules",
+        match=r"the Flax Variable '0/0/kernel' is annotated \(None, 'tensor'\), naming 'tensor'.*"
+        r"nnx.logical_axis_rules",
     ):
         strategy.put(model)
 

@@ -21,6 +21,7 @@ PUBLIC_NAMES = (
     "JaxStrategyError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "MultiWorkerShardedStrategy",
     "OneDeviceStrategy",
     "OptionalBatch",
     "OutOfRangeError",
@@ -40,6 +41,7 @@ PUBLIC_NAMES = (
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "with_sharding_constraint",
 )
 
 STRATEGY_METHODS = (
@@ -159,8 +161,10 @@ def test_strategy_surface_is_pinned():
     for resolver in (jaxstrategy.SimpleClusterResolver, jaxstrategy.TFConfigClusterResolver):
         assert issubclass(resolver, jaxstrategy.ClusterResolver)
     sharded = tuple(sorted(name for name in dir(jaxstrategy.ShardedStrategy) if not name.startswith("_")))
-    added = ("describe_layout", "devices_per_replica", "layout_of")
+    added = ("describe_layout", "devices_per_replica", "layout_of", "model_parallel")
     assert sharded == tuple(sorted(mirrored + added))
+    multi_worker_sharded = jaxstrategy.MultiWorkerShardedStrategy
+    assert tuple(sorted(name for name in dir(multi_worker_sharded) if not name.startswith("_"))) == sharded
     public_of_per_replica = [name for name in dir(jaxstrategy.PerReplica) if not name.startswith("_")]
     assert public_of_per_replica == ["dtype", "ndim", "shape", "stacked", "values"]
 

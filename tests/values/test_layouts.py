@@ -97,10 +97,12 @@ def test_an_output_follows_the_input_with_the_longest_path_it_ends_with():
         (
             [("w", P("replica"))],
             ValueError,
-            r"names 'replica'; a ShardedStrategy's leaves are split over 'shard' only\. Replicas always hold their whole model",
+            r"names 'replica'; a ShardedStrategy's leaves are split over 'shard' and 'model' only\. "
+            r"Replicas always hold their whole model",
         ),
-        ([("w", P("model", None))], ValueError, r"names 'model'; .* over 'shard' only\.$"),
-        ([("w", P("shard", "shard"))], ValueError, r"names 'shard' twice; split one dimension"),
+        ([("w", P("tensor", None))], ValueError, r"names 'tensor'; .* over 'shard' and 'model' only\.$"),
+        ([("w", P("shard", "shard"))], ValueError, r"names 'shard' more than once; an axis splits one"),
+        ([("w", P(("model", "shard"), "model"))], ValueError, r"names 'model' more than once"),
         ([("w", "shard")], TypeError, r"the spec of layout\[0\] \('w'\) must be a PartitionSpec"),
     ],
 )

@@ -81,7 +81,9 @@ class MeshStrategy(Strategy):
         per_replica = len(devices) // self._num_replicas
         groups = [devices[i * per_replica : (i + 1) * per_replica] for i in range(self._num_replicas)]
         here = jax.process_index()
-        local = [i for i, group in enumerate(groups) if all(d.process_index == here for d in group)]
+        # A replica is local where this process holds its devices: all of them, or (a replica
+        # of a sharded strategy that spans processes) some, the other processes holding the rest.
+        local = [i for i, group in enumerate(groups) if any(d.process_index == here for d in group)]
         if not local or local != list(range(local[0], local[-1] + 1)):
             raise InvalidDeviceError(
                 f"{type(self).__name__}: this process (process {jax.process_index()}) must hold one "
@@ -89,8 +91,8 @@ class MeshStrategy(Strategy):
                 "replicas. Order the devices process by process, and include this process's."
             )
         self._local_replica_ids = range(local[0], local[-1] + 1)
-        # Each local replica's first device: where its values are read when it has several.
-        self._local_devices = tuple(groups[i][0] for i in local)
+        # Each local replica's first device here: where its values are read when it has several.
+        self._local_devices = tuple(next(d for d in groups[i] if d.process_index == here) for i in local)
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
         self._stacked_sharding = NamedSharding(self._mesh, PartitionSpec(REPLICA_AXIS))
         self._combine = jax.jit(_combine, static_argnums=(0, 1, 2), out_shardings=self._sharding)

@@ -56,7 +56,138 @@ from jaxstrategy._src.values.options import RunOptions
 _CALLER = "MultiWorkerMirroredStrategy()"
 
 
-class MultiWorkerMirroredStrategy(MeshStrategy):
+class JobMember(MeshStrategy):
+    """What the strategies of a job of several processes share: joining the job, its resolver and
+    TensorFlow's facts about it, the check that every process runs the same programs, the watch
+    over the other processes' ends, and each process's input pipeline.
+
+    A subclass's constructor calls `_join` first, before any other JAX call, then makes its mesh
+    (`MeshStrategy.__init__`), then calls `_watch_job`.
+    """
+
+    def _join(
+        self,
+        cluster_resolver: ClusterResolver | None,
+        initialization_timeout: int,
+        heartbeat_timeout_seconds: int,
+        input_timeout_seconds: int,
+    ) -> None:
+        """Check the timeouts and join the job (see `join_cluster`)."""
+        name = type(self).__name__
+        for argument, value in (
+            ("initialization_timeout", initialization_timeout),
+            ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+            ("input_timeout_seconds", input_timeout_seconds),
+        ):
+            label = f"{name}({argument}={value!r})"
+            check_int(value, label, not_int=TypeError, expected="an int of seconds")
+            check_int(value, label, at_least=1, expected="1 second or more")
+        self._input_timeout_s = float(input_timeout_seconds)
+        self._heartbeat_timeout_s = heartbeat_timeout_seconds
+        self._cluster_resolver = join_cluster(
+            cluster_resolver,
+            _Timeouts(initialization_timeout, heartbeat_timeout_seconds, caller=f"{name}()"),
+        )
+
+    def _watch_job(self) -> None:
+        """Where the job has several processes: watch their ends, and check their programs."""
+        self._pipeline = _input_pipeline_of_this_process(self._devices, self._num_replicas)
+        self._programs: ProgramAgreement | None = None
+        if spans_processes(self._devices):
+            job_exits.watch_job(jax.process_index(), jax.process_count(), self._heartbeat_timeout_s)
+            self._programs = ProgramAgreement(caller=f"{type(self).__name__}.run()")
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver of the job this process belongs to (`task_type`, `task_id`, ...)."""
+        return self._cluster_resolver
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """TensorFlow's facts: this process's devices, and whether it is the chief.
+
+        `worker_devices` are this process's devices, named in its job and task as TensorFlow
+        names them. Only the chief (process 0, never an evaluator) should write what one process
+        writes (logs, summaries); with several processes, each runs its own copy of the program
+        (`experimental_between_graph`). Every process must still call `checkpoint.save`.
+        """
+        resolver = self._cluster_resolver
+        job = resolver.task_type or "localhost"
+        task = resolver.task_id if resolver.task_id is not None else resolver.process_id
+        names = tuple(canonical_name(d, job=job, task=task) for d in self._local_devices)
+        is_chief = resolver.process_id == 0 and resolver.task_type != "evaluator"
+        return StrategyExtended(
+            worker_devices=names,
+            parameter_devices=names,
+            experimental_between_graph=resolver.num_processes > 1,
+            should_checkpoint=is_chief,
+            should_save_summary=is_chief,
+        )
+
+    def run(
+        self,
+        fn: StepFn,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> PyTree:
+        """Run `fn(*args, **kwargs)` compiled on every replica of every process: `Strategy.run`.
+
+        Everything `OneDeviceStrategy.run` says holds. In a job of several processes, every
+        process must also call `run` with the same function, traced alike, at the same step:
+        the processes compare the programs they ran at the 4th, 8th, 16th, 32nd and 64th calls,
+        then every 64 (through JAX's coordination service, in a thread), and where one ran
+        another program at some call (a branch on `jax.process_index()`, a closure made
+        differently on one process), `run` raises on every process (the one that finds it, then
+        the others through the job's exit watch), naming the call and both programs, instead of
+        letting the collectives exchange mismatched data. It costs each call about a microsecond.
+
+        Args:
+          fn: the function to run; it must return a pytree of arrays.
+          args: positional arguments, a tuple or list.
+          kwargs: keyword arguments, a dict.
+          options: a `RunOptions`.
+
+        Returns:
+          `fn`'s outputs; those that may differ between replicas as `PerReplica`.
+
+        Raises:
+          RuntimeError: the processes ran different step programs at some call (from then on,
+            at every call), or another process of the job has ended.
+          TypeError, ValueError, StrategyContextError: as `OneDeviceStrategy.run`.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.MultiWorkerMirroredStrategy()   # this process alone here
+          >>> print(strategy.run(lambda: jaxstrategy.get_replica_context().all_reduce('sum', 1)))
+          4
+        """
+        # The program check's hook on every call (see cluster/program_agreement.py): in a job of
+        # several processes, a list append, and a round with the others every CALLS_PER_ROUND
+        # calls, handed to a thread. Its error, raised before the step, names both programs.
+        if self._programs is not None:
+            self._programs.record(fn)
+        return super().run(fn, args, kwargs, options)
+
+    def _replica_program(self, fn: StepFn) -> StepFn:
+        # The program check's hook where a step is traced: its jaxpr names the program.
+        program = super()._replica_program(fn)
+        return program if self._programs is None else self._programs.fingerprinting(fn, program)
+
+    def _before_checked_run(self) -> None:
+        # Compiling and first steps take this path: a process that ended would leave them waiting.
+        job_exits.raise_if_a_process_ended(f"{type(self).__name__}.run()")
+
+    @property
+    def _input_pipeline(self) -> tuple[int, int]:
+        return self._pipeline
+
+    @property
+    def _batch_layout(self) -> ReplicaLayout:
+        return dataclasses.replace(super()._batch_layout, input_timeout_s=self._input_timeout_s)
+
+
+class MultiWorkerMirroredStrategy(JobMember):
     """Synchronous training on every device of several processes, one replica per device.
 
     Every process runs the same script and creates this strategy first, before any other JAX
@@ -127,125 +258,36 @@ class MultiWorkerMirroredStrategy(MeshStrategy):
         heartbeat_timeout_seconds: int = 100,
         input_timeout_seconds: int = 3600,
     ):
-        for name, value in (
-            ("initialization_timeout", initialization_timeout),
-            ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
-            ("input_timeout_seconds", input_timeout_seconds),
-        ):
-            label = f"MultiWorkerMirroredStrategy({name}={value!r})"
-            check_int(value, label, not_int=TypeError, expected="an int of seconds")
-            check_int(value, label, at_least=1, expected="1 second or more")
-        self._input_timeout_s = float(input_timeout_seconds)
-        self._cluster_resolver = join_cluster(
-            cluster_resolver, _Timeouts(initialization_timeout, heartbeat_timeout_seconds)
-        )
+        self._join(cluster_resolver, initialization_timeout, heartbeat_timeout_seconds, input_timeout_seconds)
         # Process by process, so that each process's replicas are consecutive.
         devices = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         require_same_devices_per_process(devices, _CALLER)
         super().__init__(devices)
-        # Where the job has several processes, they check that they run the same programs.
-        self._programs: ProgramAgreement | None = None
-        if spans_processes(devices):
-            job_exits.watch_job(jax.process_index(), jax.process_count(), heartbeat_timeout_seconds)
-            self._programs = ProgramAgreement(caller=f"{type(self).__name__}.run()")
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver:
-        """The resolver of the job this process belongs to (`task_type`, `task_id`, ...)."""
-        return self._cluster_resolver
-
-    @property
-    def extended(self) -> StrategyExtended:
-        """TensorFlow's facts: this process's devices, and whether it is the chief.
-
-        `worker_devices` are this process's devices, named in its job and task as TensorFlow
-        names them. Only the chief (process 0, never an evaluator) should write what one process
-        writes (logs, summaries); with several processes, each runs its own copy of the program
-        (`experimental_between_graph`). Every process must still call `checkpoint.save`.
-        """
-        resolver = self._cluster_resolver
-        job = resolver.task_type or "localhost"
-        task = resolver.task_id if resolver.task_id is not None else resolver.process_id
-        names = tuple(canonical_name(d, job=job, task=task) for d in self._local_devices)
-        is_chief = resolver.process_id == 0 and resolver.task_type != "evaluator"
-        return StrategyExtended(
-            worker_devices=names,
-            parameter_devices=names,
-            experimental_between_graph=resolver.num_processes > 1,
-            should_checkpoint=is_chief,
-            should_save_summary=is_chief,
-        )
+        self._watch_job()
 
     def __repr__(self) -> str:
         return f"MultiWorkerMirroredStrategy(cluster_resolver={self._cluster_resolver!r})"
-
-    def run(
-        self,
-        fn: StepFn,
-        args: tuple[Any, ...] | list[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        options: RunOptions | None = None,
-    ) -> PyTree:
-        """Run `fn(*args, **kwargs)` compiled on every replica of every process: `Strategy.run`.
-
-        Everything `OneDeviceStrategy.run` says holds. In a job of several processes, every
-        process must also call `run` with the same function, traced alike, at the same step:
-        the processes compare the programs they ran at the 4th, 8th, 16th, 32nd and 64th calls,
-        then every 64 (through JAX's coordination service, in a thread), and where one ran
-        another program at some call (a branch on `jax.process_index()`, a closure made
-        differently on one process), `run` raises on every process (the one that finds it, then
-        the others through the job's exit watch), naming the call and both programs, instead of
-        letting the collectives exchange mismatched data. It costs each call about a microsecond.
-
-        Args:
-          fn: the function to run; it must return a pytree of arrays.
-          args: positional arguments, a tuple or list.
-          kwargs: keyword arguments, a dict.
-          options: a `RunOptions`.
-
-        Returns:
-          `fn`'s outputs; those that may differ between replicas as `PerReplica`.
-
-        Raises:
-          RuntimeError: the processes ran different step programs at some call (from then on,
-            at every call), or another process of the job has ended.
-          TypeError, ValueError, StrategyContextError: as `OneDeviceStrategy.run`.
-
-        Example:
-          >>> import jaxstrategy
-          >>> strategy = jaxstrategy.MultiWorkerMirroredStrategy()   # this process alone here
-          >>> print(strategy.run(lambda: jaxstrategy.get_replica_context().all_reduce('sum', 1)))
-          4
-        """
-        # The program check's hook on every call (see cluster/program_agreement.py): in a job of
-        # several processes, a list append, and a round with the others every CALLS_PER_ROUND
-        # calls, handed to a thread. Its error, raised before the step, names both programs.
-        if self._programs is not None:
-            self._programs.record(fn)
-        return super().run(fn, args, kwargs, options)
-
-    def _replica_program(self, fn: StepFn) -> StepFn:
-        # The program check's hook where a step is traced: its jaxpr names the program.
-        program = super()._replica_program(fn)
-        return program if self._programs is None else self._programs.fingerprinting(fn, program)
-
-    def _before_checked_run(self) -> None:
-        # Compiling and first steps take this path: a process that ended would leave them waiting.
-        job_exits.raise_if_a_process_ended(f"{type(self).__name__}.run()")
-
-    @property
-    def _input_pipeline(self) -> tuple[int, int]:
-        return jax.process_count(), jax.process_index()
-
-    @property
-    def _batch_layout(self) -> ReplicaLayout:
-        return dataclasses.replace(super()._batch_layout, input_timeout_s=self._input_timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Timeouts:
     initialization_timeout: int
     heartbeat_timeout_seconds: int
+    caller: str = _CALLER  # The strategy joining, as its messages name it.
+
+
+def _input_pipeline_of_this_process(devices: Sequence[Any], num_replicas: int) -> tuple[int, int]:
+    """`(num_input_pipelines, input_pipeline_id)` for this process of the job over `devices` (in
+    replica order): one pipeline per set of replicas that processes hold, so that processes that
+    share a replica (parts of one replica of a `MultiWorkerShardedStrategy` spanning them) read
+    the same input for it, and every other process its own.
+    """
+    per_replica = len(devices) // num_replicas
+    held: dict[int, set[int]] = collections.defaultdict(set)
+    for position, device in enumerate(devices):
+        held[device.process_index].add(position // per_replica)
+    groups = sorted({tuple(sorted(replicas)) for replicas in held.values()})
+    return len(groups), groups.index(tuple(sorted(held[jax.process_index()])))
 
 
 def require_same_devices_per_process(devices: Sequence[Any], caller: str) -> None:
@@ -293,13 +335,13 @@ def join_cluster(resolver: ClusterResolver | None, timeouts: _Timeouts) -> Clust
         return _default_job(timeouts)
     if not isinstance(resolver, ClusterResolver):
         raise TypeError(
-            f"MultiWorkerMirroredStrategy(cluster_resolver={resolver!r}): expected a "
+            f"{timeouts.caller[:-1]}cluster_resolver={resolver!r}): expected a "
             "jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver (or another "
             "ClusterResolver), or None."
         )
-    check_job(resolver, caller=f"{_CALLER}: {type(resolver).__name__}")
+    check_job(resolver, caller=f"{timeouts.caller}: {type(resolver).__name__}")
     if jax.distributed.is_initialized():
-        _require_running_job(resolver)
+        _require_running_job(resolver, timeouts.caller)
     elif resolver.num_processes > 1:
         _start_runtime(resolver, timeouts)
     return resolver
@@ -317,11 +359,11 @@ def _default_job(timeouts: _Timeouts) -> ClusterResolver:
     return SimpleClusterResolver(jax_compat.coordinator_address(), jax.process_count(), jax.process_index())
 
 
-def _require_running_job(resolver: ClusterResolver) -> None:
+def _require_running_job(resolver: ClusterResolver, caller: str) -> None:
     running = (jax.process_count(), jax.process_index())
     if running != (resolver.num_processes, resolver.process_id):
         raise ValueError(
-            f"{_CALLER}: JAX's distributed runtime already runs in this process as process "
+            f"{caller}: JAX's distributed runtime already runs in this process as process "
             f"{running[1]} of {running[0]}, but the cluster resolver makes it process "
             f"{resolver.process_id} of {resolver.num_processes} ({resolver!r}). A process joins one "
             "job: pass a resolver for the job it is in, or none to use the running one."
@@ -340,18 +382,18 @@ def _start_runtime(
         job, where = f"the {detected} job JAX detected", f"the {detected} job's settings"
     if jax_compat.backends_started():
         raise RuntimeError(
-            f"{_CALLER}: cannot join {job}: JAX has already started in this process (something "
+            f"{timeouts.caller}: cannot join {job}: JAX has already started in this process (something "
             "created an array or asked for devices), and a running JAX cannot join a job of several "
             "processes. Create the strategy first thing in the program, before any other JAX call. "
             "To train in this process alone, use MirroredStrategy or pass "
             "SimpleClusterResolver(None, num_processes=1, process_id=0)."
         )
     if resolver is not None and resolver.process_id == 0 and resolver.coordinator_address:
-        _require_free_port(resolver.coordinator_address)
+        _require_free_port(resolver.coordinator_address, timeouts.caller)
     started = threading.Event()
     watchdog = threading.Thread(
         target=_report_if_stuck,
-        args=(started, timeouts.initialization_timeout, job, where),
+        args=(started, timeouts.initialization_timeout, job, where, timeouts.caller),
         name="jaxstrategy-join-watchdog",
         daemon=True,
     )
@@ -377,10 +419,12 @@ def _start_runtime(
     finally:
         started.set()
         watchdog.join()
-    _put_back_sigterm(sigterm)
+    _put_back_sigterm(sigterm, timeouts.caller)
 
 
-def _put_back_sigterm(handler: Callable[[int, FrameType | None], Any] | int | None) -> None:
+def _put_back_sigterm(
+    handler: Callable[[int, FrameType | None], Any] | int | None, caller: str = _CALLER
+) -> None:
     """Make `handler`, SIGTERM's before `jax.distributed.initialize`, SIGTERM's handler again.
 
     JAX's preemption service (`jax_enable_preemption_service`, on by default) installs a C++
@@ -402,7 +446,7 @@ def _put_back_sigterm(handler: Callable[[int, FrameType | None], Any] | int | No
     # Read as `jax.config.jax_enable_x64` is; the option is not in jax.config's type stubs.
     if getattr(jax.config, "jax_enable_preemption_service", True):
         warnings.warn(
-            f"{_CALLER}: created outside the main thread, where no signal handler can be set, so "
+            f"{caller}: created outside the main thread, where no signal handler can be set, so "
             "the SIGTERM handler that jax.distributed.initialize installed stays: a SIGTERM is "
             "logged by JAX's preemption notifier and this process goes on running. Create the "
             "strategy in the main thread, so that SIGTERM ends the process (or, with a "
@@ -412,7 +456,7 @@ def _put_back_sigterm(handler: Callable[[int, FrameType | None], Any] | int | No
         )
 
 
-def _require_free_port(coordinator_address: str) -> None:
+def _require_free_port(coordinator_address: str, caller: str) -> None:
     """Raise unless the coordinator's port is free here, in process 0, which serves it.
 
     JAX's coordination service listens on every interface (`[::]:port`); when the port is taken
@@ -429,7 +473,7 @@ def _require_free_port(coordinator_address: str) -> None:
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 raise RuntimeError(
-                    f"{_CALLER}: this is process 0, which serves the job's coordinator at "
+                    f"{caller}: this is process 0, which serves the job's coordinator at "
                     f"{coordinator_address}, but port {port} is already in use on this host. Stop "
                     "what holds it (an earlier run of this job, say), or give the job another "
                     "free port in TF_CONFIG or the cluster resolver."
@@ -438,13 +482,13 @@ def _require_free_port(coordinator_address: str) -> None:
     # Neither family could bind for another reason; JAX's own start-up reports that.
 
 
-def _report_if_stuck(started: threading.Event, timeout_s: int, job: str, where: str) -> None:
+def _report_if_stuck(started: threading.Event, timeout_s: int, job: str, where: str, caller: str) -> None:
     """Write what to check to stderr if joining takes longer than its timeout: JAX then ends the
     process from C++, with a message that blames a crashed task."""
     if started.wait(timeout_s):
         return
     sys.stderr.write(
-        f"\njaxstrategy: {_CALLER} could not join {job} within initialization_timeout="
+        f"\njaxstrategy: {caller} could not join {job} within initialization_timeout="
         f"{timeout_s} s: the coordinator could not be reached, or not every process of the job has "
         f"started. JAX will now end this process. Check that every process started with the same "
         f"job ({where}), that the coordinator's host and port are right and reachable from here, "

@@ -34,12 +34,15 @@ from jaxstrategy._src.steps.cache import traced_input_layout
 from jaxstrategy._src.steps.spmd import REPLICA_AXIS
 from jaxstrategy._src.strategies.mesh import MeshStrategy
 from jaxstrategy._src.strategies.mirrored import resolve_devices
+from jaxstrategy._src.strategies.strategy import get_strategy
 from jaxstrategy._src.values.layouts import (
     DEFAULT_MIN_SHARD_BYTES,
+    MODEL_AXIS,
     SHARD_AXIS,
     LayoutDescription,
     LayoutRules,
     LeafLayout,
+    as_spec,
     declared_spec,
     follow_spec,
     path_string,
@@ -104,37 +107,70 @@ class ShardedStrategy(MeshStrategy):
         devices: Sequence[DeviceLike] | None = None,
         *,
         num_replicas: int = 1,
+        model_parallel: int = 1,
         layout: Sequence[tuple[str, Any]] | None = None,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ):
         caller = "ShardedStrategy()"
         resolved = resolve_devices(devices, caller="ShardedStrategy")
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"{caller}: num_replicas must be a positive int; got {num_replicas!r}.")
-        if len(resolved) % num_replicas:
-            divisors = [r for r in range(1, len(resolved) + 1) if len(resolved) % r == 0]
-            raise ValueError(
-                f"{caller}: num_replicas={num_replicas} does not divide the {len(resolved)} devices; "
-                "each replica is a group of equally many devices. Choose num_replicas among "
-                f"{divisors}, or pass devices= with a multiple of {num_replicas} devices."
-            )
         if spans_processes(resolved):
             raise ValueError(
-                f"{caller}: the devices span several processes, which ShardedStrategy does not "
-                "support yet; pass this process's devices (jax.local_devices()), or use "
-                "MultiWorkerMirroredStrategy across processes."
+                f"{caller}: the devices span several processes; a ShardedStrategy holds one "
+                "process's devices. Use MultiWorkerShardedStrategy for a job of several processes, "
+                "or pass this process's devices (jax.local_devices())."
             )
-        shards = len(resolved) // num_replicas
-        self._rules = LayoutRules(layout, shards=shards, min_shard_bytes=min_shard_bytes, caller=caller)
-        auto = (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto)
-        grid = np.array(resolved, dtype=object).reshape(num_replicas, shards)
-        super().__init__(resolved, jax.sharding.Mesh(grid, (REPLICA_AXIS, SHARD_AXIS), axis_types=auto))
-        self._replica_meshes = tuple(jax.sharding.Mesh(np.array(row), (SHARD_AXIS,)) for row in grid)
+        self._lay_out(
+            resolved, num_replicas, model_parallel, layout, min_shard_bytes, caller, devices_given=True
+        )
+
+    def _lay_out(
+        self,
+        devices: tuple[jax.Device, ...],
+        num_replicas: int,
+        model_parallel: int,
+        layout: Sequence[tuple[str, Any]] | None,
+        min_shard_bytes: int,
+        caller: str,
+        *,
+        devices_given: bool = False,
+    ) -> None:
+        """Make the mesh: `devices`, in replica order, as `num_replicas` rows of S x M
+        (`devices_given`: the user chose them, and may choose others)."""
+        for name, value in (("num_replicas", num_replicas), ("model_parallel", model_parallel)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{caller}: {name} must be a positive int; got {value!r}.")
+        if len(devices) % num_replicas:
+            raise ValueError(
+                f"{caller}: num_replicas={num_replicas} does not divide the {len(devices)} devices; "
+                "each replica is a group of equally many devices. Choose num_replicas among "
+                f"{_divisors(len(devices))}"
+                + (f", or pass devices= with a multiple of {num_replicas} devices." if devices_given else ".")
+            )
+        per_replica = len(devices) // num_replicas
+        if per_replica % model_parallel:
+            raise ValueError(
+                f"{caller}: model_parallel={model_parallel} does not divide the {per_replica} devices "
+                f"of each replica ({len(devices)} devices, num_replicas={num_replicas}); the 'model' "
+                f"axis splits each replica's devices. Choose model_parallel among "
+                f"{_divisors(per_replica)}, or fewer replicas."
+            )
+        shards = per_replica // model_parallel
+        self._rules = LayoutRules(
+            layout, shards=shards, model=model_parallel, min_shard_bytes=min_shard_bytes, caller=caller
+        )
+        axes = (REPLICA_AXIS, SHARD_AXIS, MODEL_AXIS) if model_parallel > 1 else (REPLICA_AXIS, SHARD_AXIS)
+        grid = np.array(devices, dtype=object).reshape(num_replicas, shards, model_parallel)
+        if model_parallel == 1:
+            grid = grid[..., 0]
+        auto = (jax.sharding.AxisType.Auto,) * len(axes)
+        super().__init__(devices, jax.sharding.Mesh(grid, axes, axis_types=auto))
+        self._replica_meshes = tuple(jax.sharding.Mesh(row, axes[1:], axis_types=auto[1:]) for row in grid)
 
     def __repr__(self) -> str:
         return (
-            f"ShardedStrategy(devices={self._devices!r}, num_replicas={self._num_replicas}, "
-            f"layout={list(self._rules.rules)!r}, min_shard_bytes={self._rules.min_shard_bytes})"
+            f"{type(self).__name__}(devices={self._devices!r}, num_replicas={self._num_replicas}, "
+            f"model_parallel={self._rules.model}, layout={list(self._rules.rules)!r}, "
+            f"min_shard_bytes={self._rules.min_shard_bytes})"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -147,7 +183,7 @@ class ShardedStrategy(MeshStrategy):
     def _key(self) -> Hashable:
         # P(None) is P(): specs compare without their trailing Nones.
         rules = tuple((source, _without_trailing_nones(spec)) for source, spec in self._rules.rules)
-        return (self._devices, self._num_replicas, rules, self._rules.min_shard_bytes)
+        return (self._devices, self._num_replicas, self._rules.model, rules, self._rules.min_shard_bytes)
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -156,12 +192,18 @@ class ShardedStrategy(MeshStrategy):
 
     @property
     def devices_per_replica(self) -> int:
-        """S, the devices each replica's variables are split over."""
-        return self._rules.shards
+        """S x M, the devices each replica's variables are split over."""
+        return self._rules.devices_per_replica
+
+    @property
+    def model_parallel(self) -> int:
+        """M, the size of the `'model'` axis (1: no tensor parallelism)."""
+        return self._rules.model
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The `jax.sharding.Mesh` of the devices, axes `('replica', 'shard')`, both Auto."""
+        """The `jax.sharding.Mesh` of the devices, axes `('replica', 'shard')`, all Auto; with
+        `model_parallel` above 1, `('replica', 'shard', 'model')`."""
         return self._mesh
 
     @property
@@ -272,12 +314,15 @@ class ShardedStrategy(MeshStrategy):
         return super()._local_copies(leaf)
 
     def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
-        # Each part, on its replica's first device, copied to the replica's other devices; the
-        # stacked array is made of those copies, without a trip through the host.
+        # Each part, on the replica's first device here, copied to its other devices here (a
+        # replica spanning processes gets the rest from the others); the stacked array is made
+        # of those copies, without a trip through the host.
         pieces = []
+        here = jax.process_index()
         for replica, part in zip(self._local_replica_ids, parts, strict=True):
-            on_replica = jax.device_put(part, NamedSharding(self._replica_meshes[replica], PartitionSpec()))
-            pieces += [shard.data[None] for shard in on_replica.addressable_shards]
+            for device in self._replica_meshes[replica].devices.flat:
+                if device.process_index == here:
+                    pieces.append(jax.device_put(part, device)[None])
         shape = (self._num_replicas, *parts[0].shape)
         return jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, pieces)
 
@@ -367,18 +412,28 @@ class ShardedStrategy(MeshStrategy):
 
     def _part_on_replica(self, array: jax.Array, replica: int, *, stacked_first: bool) -> jax.Array:
         """Replica `replica`'s part of `array` (its component when `stacked_first`, else its
-        copy), on that replica's devices, laid out as there."""
+        copy), on that replica's devices, laid out as there. Of a replica spanning processes,
+        a whole value comes back on this process's devices of it; a split one, over all of them
+        (this process holding its own blocks)."""
         mesh = self._replica_meshes[replica]
         spec = tuple(_spec(array))
         by_device = {shard.device: shard.data for shard in array.addressable_shards}
-        blocks = [by_device[d] for d in mesh.devices.flat]
         if stacked_first:
             spec = spec[1:]
+        local = [d for d in mesh.devices.flat if d in by_device]
+        if len(local) < mesh.devices.size and all(entry is None for entry in spec):
+            mesh, spec = jax.sharding.Mesh(np.array(local), (SHARD_AXIS,)), ()
+        blocks = [by_device[d] for d in local]
+        if stacked_first:
             blocks = [block.reshape(block.shape[1:]) for block in blocks]
         shape = array.shape[1:] if stacked_first else array.shape
         return jax.make_array_from_single_device_arrays(
             shape, NamedSharding(mesh, PartitionSpec(*spec)), blocks
         )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _without_trailing_nones(spec: PartitionSpec) -> tuple[Any, ...]:
@@ -432,3 +487,50 @@ def _shape_and_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
     if jnp.issubdtype(dtype, jax.dtypes.extended):
         return shape, dtype  # PRNG keys: JAX's own.
     return shape, jax.dtypes.canonicalize_dtype(dtype)
+
+
+def with_sharding_constraint(x: PyTree, spec: Any) -> PyTree:
+    """Lay out an intermediate value (an activation) over the axes of its replica.
+
+    The in-step counterpart of the layout rules, for tensor parallelism: in a Megatron-style MLP
+    whose first kernel is split on its output dimension over `'model'` and second on its input
+    dimension, `with_sharding_constraint(h, (None, 'model'))` keeps the hidden activation split
+    as the kernels are, so XLA adds one reduction per layer pair rather than gathering `h`.
+    `spec` names `'shard'`, `'model'` or None per dimension of each leaf of `x`, never
+    `'replica'`: inside `run` each replica constrains its own value. On a strategy without those
+    axes (`OneDeviceStrategy`, `MirroredStrategy`) it returns `x` unchanged, and without a
+    `'model'` axis its `'model'` entries are dropped, so the same step runs on every strategy.
+
+    Args:
+      x: an array, or a pytree of arrays, each laid out by `spec`.
+      spec: a `PartitionSpec`, or a tuple of its entries.
+
+    Returns:
+      `x`, constrained (`jax.lax.with_sharding_constraint` over the strategy's mesh).
+
+    Raises:
+      TypeError: `spec` is not a spec.
+      ValueError: `spec` names an axis other than `'shard'` and `'model'`, or one twice.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxstrategy
+      >>> strategy = jaxstrategy.ShardedStrategy(['/cpu:0', '/cpu:1'], model_parallel=2)
+      >>> def hidden(x):
+      ...     h = jaxstrategy.with_sharding_constraint(x @ jnp.ones((4, 6)), (None, 'model'))
+      ...     return h, jnp.sum(h)
+      >>> h, total = strategy.run(hidden, args=(jnp.ones((2, 4)),))
+      >>> float(total)
+      48.0
+    """
+    caller = "jaxstrategy.with_sharding_constraint()"
+    spec = as_spec(spec, where="the activation", caller=caller)
+    strategy = get_strategy()
+    if not isinstance(strategy, ShardedStrategy):
+        return x
+    spec = strategy._rules.on_mesh(spec)
+    context = jax.sharding.get_abstract_mesh()
+    # Inside `run`'s shard_map the mesh in context is the strategy's, its replica axis manual: a
+    # bare spec refers to it, where a sharding over the (all Auto) mesh would not match it.
+    in_replica = not context.empty and context.axis_names == strategy.mesh.axis_names
+    target = spec if in_replica else NamedSharding(strategy.mesh, spec)
+    return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, target), x)

@@ -1,7 +1,10 @@
-"""Where each leaf of a sharded strategy's trees lives: a `PartitionSpec` over the `'shard'` axis.
+"""Where each leaf of a sharded strategy's trees lives: a `PartitionSpec` over its replica's axes.
 
-`ShardedStrategy` keeps every replica's model split over the replica's S devices. Which dimension
-of a leaf is split is decided, in this order, by:
+`ShardedStrategy` keeps every replica's model split over the replica's devices: S of them along
+`'shard'` (fully sharded data parallelism: each device holds a part, gathered where a step needs
+it) times M along `'model'` (tensor parallelism: a layer's computation itself split, as Megatron
+does, only where a rule or an annotation names `'model'`). Which dimension of a leaf is split is
+decided, in this order, by:
 
 1. the leaf's own declaration: a Flax NNX Variable's sharding metadata (`nnx.with_partitioning`),
    its logical names mapped through `nnx.logical_axis_rules`;
@@ -18,6 +21,8 @@ of a leaf is split is decided, in this order, by:
    no dimension of which S divides are replicated (the latter, when large, with one warning).
 
 Nothing here is ever split over `'replica'`: each replica holds its whole model, split within.
+Without a `'model'` axis (M = 1) a spec's `'model'` entries are dropped, so that one layout
+serves a strategy with tensor parallelism and one without.
 """
 
 from __future__ import annotations
@@ -34,8 +39,12 @@ from jax.sharding import PartitionSpec
 
 from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
 
-# The mesh axis over which each replica's leaves are split.
+# The mesh axis over which each replica's leaves are split (fully sharded data parallelism).
 SHARD_AXIS = "shard"
+# The mesh axis over which the layers that rules name are split (tensor parallelism).
+MODEL_AXIS = "model"
+# The axes a spec may name, within a replica.
+REPLICA_AXES = (SHARD_AXIS, MODEL_AXIS)
 # TensorFlow's `MinSizePartitioner` default: below this a leaf is cheaper replicated than gathered.
 DEFAULT_MIN_SHARD_BYTES = 256 * 1024
 
@@ -63,7 +72,7 @@ class LeafLayout:
       path: the leaf's path, keys joined by `/`.
       shape: its shape.
       dtype: its dtype.
-      spec: its `PartitionSpec` within a replica (over `'shard'` only).
+      spec: its `PartitionSpec` within a replica (over `'shard'` and `'model'`).
       reason: what decided it, for `describe_layout`.
       bytes_per_device: what one device holds of it.
     """
@@ -88,27 +97,43 @@ class LayoutRules:
 
     Args:
       layout: the user's `(regex, spec)` pairs, or None.
-      shards: S, the devices per replica.
+      shards: S, the size of the `'shard'` axis.
+      model: M, the size of the `'model'` axis (1: none).
       min_shard_bytes: leaves smaller than this are replicated by the default rule.
       caller: the call to name in messages, such as `ShardedStrategy()`.
 
     Raises:
       TypeError: `layout` is not a sequence of `(regex, spec)` pairs.
-      ValueError: a regex does not compile, a spec names an axis other than `'shard'` or names it
-        twice, or `min_shard_bytes` is negative.
+      ValueError: a regex does not compile, a spec names an axis other than `'shard'` and
+        `'model'` or names one twice, or `min_shard_bytes` is negative.
     """
 
-    def __init__(self, layout: Any, *, shards: int, min_shard_bytes: int, caller: str):
+    def __init__(self, layout: Any, *, shards: int, model: int = 1, min_shard_bytes: int, caller: str):
         if isinstance(min_shard_bytes, bool) or not isinstance(min_shard_bytes, int) or min_shard_bytes < 0:
             raise ValueError(
                 f"{caller}: min_shard_bytes must be a non-negative int (bytes); got {min_shard_bytes!r}."
             )
         self.shards = shards
+        self.model = model
         self.min_shard_bytes = min_shard_bytes
         self._caller = caller
         self._rules = tuple(_parse_rules(layout, caller))
         self._warned_rules: set[str] = set()
         self._warned_leaves: set[str] = set()
+
+    @property
+    def devices_per_replica(self) -> int:
+        """S x M: the devices each replica's leaves are split over."""
+        return self.shards * self.model
+
+    def on_mesh(self, spec: PartitionSpec) -> PartitionSpec:
+        """`spec` as the mesh can take it: without `'model'` when there is no such axis."""
+        return spec if self.model > 1 else without_axis(spec, MODEL_AXIS)
+
+    def axis_size(self, entry: Any) -> int:
+        """How many devices a spec's entry (None, an axis, or a tuple of axes) splits over."""
+        sizes = {SHARD_AXIS: self.shards, MODEL_AXIS: self.model}
+        return math.prod(sizes[name] for name in _names(entry))
 
     @property
     def rules(self) -> tuple[tuple[str, PartitionSpec], ...]:
@@ -151,9 +176,10 @@ class LayoutRules:
             spec, reason = follows[0], f"follows {follows[1]}"
         else:
             spec, reason = self._default(name, shape, dtype, who)
-        return LeafLayout(
-            name, tuple(shape), dtype, spec, reason, _bytes_per_device(shape, dtype, spec, self.shards)
-        )
+        spec = self.on_mesh(spec)
+        split = math.prod(self.axis_size(entry) for entry in spec)
+        size = math.prod(shape) * dtype.itemsize
+        return LeafLayout(name, tuple(shape), dtype, spec, reason, size // split)
 
     def unmatched_rules(self, paths: Sequence[Sequence[Any]]) -> list[str]:
         """The sources of the rules that decide none of these leaves' paths."""
@@ -195,12 +221,13 @@ class LayoutRules:
                 f"{name!r} has shape {tuple(shape)} ({len(shape)} dimensions). Give a spec with at "
                 "most one entry per dimension."
             )
-        for dimension, entry in enumerate(spec):
-            if entry is not None and shape[dimension] % self.shards:
+        for dimension, entry in enumerate(self.on_mesh(spec)):
+            split = self.axis_size(entry)
+            if shape[dimension] % split:
                 raise ValueError(
                     f"{caller}: the layout {spec} from {reason} splits dimension {dimension} "
-                    f"(of size {shape[dimension]}) of the leaf {name!r} over {self.shards} devices, "
-                    f"which does not divide it. Split a dimension that {self.shards} divides, or "
+                    f"(of size {shape[dimension]}) of the leaf {name!r} over {split} devices, "
+                    f"which does not divide it. Split a dimension that {split} divides, or "
                     "replicate the leaf (spec PartitionSpec())."
                 )
 
@@ -209,7 +236,12 @@ class LayoutRules:
     ) -> tuple[PartitionSpec, str]:
         size = math.prod(shape) * dtype.itemsize
         if self.shards == 1:
-            return PartitionSpec(), "replicated: one device per replica"
+            why = (
+                "no 'shard' axis ('model' splits only what rules name)"
+                if self.model > 1
+                else ("one device per replica")
+            )
+            return PartitionSpec(), f"replicated: {why}"
         if not shape:
             return PartitionSpec(), "replicated: a scalar"
         if size < self.min_shard_bytes:
@@ -275,11 +307,11 @@ def _parse_rules(layout: Any, caller: str) -> list[_Rule]:
 
 def as_spec(spec: Any, *, where: str, caller: str) -> PartitionSpec:
     """`spec` (a PartitionSpec, or a tuple or list of its entries) as a PartitionSpec over
-    `'shard'` alone.
+    `'shard'` and `'model'`.
 
     Raises:
       TypeError: it is not a spec.
-      ValueError: it names another axis (`'replica'` included), or `'shard'` twice.
+      ValueError: it names another axis (`'replica'` included), or one axis twice.
     """
     if isinstance(spec, PartitionSpec):
         entries = tuple(spec)
@@ -292,34 +324,42 @@ def as_spec(spec: Any, *, where: str, caller: str) -> PartitionSpec:
             f"{caller}: the spec of {where} must be a PartitionSpec (or a tuple of its entries); "
             f"got {spec!r}."
         )
-    names = [
-        n
-        for entry in entries
-        for n in (entry if isinstance(entry, tuple | list) else (entry,))
-        if n is not None
-    ]
-    others = sorted({repr(n) for n in names if n != SHARD_AXIS})
+    entries = tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+    names = [n for entry in entries for n in _names(entry)]
+    others = sorted({repr(n) for n in names if n not in REPLICA_AXES})
     if others:
         hint = (
-            " Replicas always hold their whole model: shard within a replica, over 'shard'."
+            " Replicas always hold their whole model: shard within a replica, over 'shard' or 'model'."
             if "'replica'" in others
             else ""
         )
         raise ValueError(
             f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {', '.join(others)}; a "
-            f"ShardedStrategy's leaves are split over {SHARD_AXIS!r} only.{hint}"
+            f"ShardedStrategy's leaves are split over {SHARD_AXIS!r} and {MODEL_AXIS!r} only.{hint}"
         )
-    if names.count(SHARD_AXIS) > 1:
+    twice = sorted({repr(n) for n in names if names.count(n) > 1})
+    if twice:
         raise ValueError(
-            f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {SHARD_AXIS!r} twice; "
-            "split one dimension."
+            f"{caller}: the spec {PartitionSpec(*entries)} of {where} names {', '.join(twice)} more "
+            "than once; an axis splits one dimension."
         )
     return PartitionSpec(*entries)
 
 
-def _bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, shards: int) -> int:
-    size = math.prod(shape) * dtype.itemsize
-    return size // shards if any(entry is not None for entry in spec) else size
+def _names(entry: Any) -> tuple[Any, ...]:
+    """The axis names in one entry of a spec: None, a name, or a tuple of names."""
+    if entry is None:
+        return ()
+    return tuple(n for n in entry if n is not None) if isinstance(entry, tuple) else (entry,)
+
+
+def without_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """`spec` with `axis` taken out of every entry (an entry left with no axis becomes None)."""
+    entries = []
+    for entry in spec:
+        kept = tuple(n for n in _names(entry) if n != axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
 
 
 def _format_bytes(size: float) -> str:
@@ -390,7 +430,8 @@ def declared_spec(variable: Any, path: str, caller: str) -> tuple[PartitionSpec,
     through `nnx.logical_axis_rules`; None when it declares none.
 
     Raises:
-      ValueError: it names an axis that is neither `'shard'` nor mapped to it (or to None).
+      ValueError: it names an axis that is neither `'shard'` nor `'model'` nor mapped to one of
+        them (or to None).
     """
     from flax.nnx import spmd  # The caller found Variables: flax is loaded.
 
@@ -401,14 +442,14 @@ def declared_spec(variable: Any, path: str, caller: str) -> tuple[PartitionSpec,
     if spec is None:
         return None
     names = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None}
-    unknown = sorted(names - {SHARD_AXIS})
+    unknown = sorted(names - set(REPLICA_AXES))
     if unknown:
         raise ValueError(
             f"{caller}: the Flax Variable {path!r} is annotated {tuple(spec)}, naming "
-            f"{', '.join(repr(n) for n in unknown)}, which is not an axis of this strategy's mesh "
-            f"(('replica', {SHARD_AXIS!r}); its leaves are split over {SHARD_AXIS!r} only). Map logical "
-            "names to it: with nnx.logical_axis_rules([(" + repr(unknown[0]) + ", 'shard'), ...]): "
-            "around the call, or annotate with 'shard' and None."
+            f"{', '.join(repr(n) for n in unknown)}, which is not an axis a replica's leaves are "
+            f"split over ({SHARD_AXIS!r} and {MODEL_AXIS!r}). Map logical names to them: with "
+            "nnx.logical_axis_rules([(" + repr(unknown[0]) + ", 'shard'), ...]): around the call, "
+            "or annotate with 'shard', 'model' and None."
         )
     return spec, "Flax Variable annotation"
 

@@ -1,0 +1,146 @@
+"""What every process of a two-process `MultiWorkerShardedStrategy` job does for test_sharded_job.py.
+
+    python tests/strategies/sharded_job_worker.py OUTPUT_DIR
+
+Each process runs the same scenarios in the same order, as every program of a job must, and
+writes what it saw to OUTPUT_DIR/process-<index>.json for the test to compare with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jaxstrategy
+
+# The test's model, batches and optimizer: the reference trains the same in one process.
+BATCH = 12
+STEPS = 4
+MEGATRON = [("w1", P(None, "model")), ("b1", P("model")), ("w2", P("model", None))]
+
+
+def initial_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {
+        "w1": (rng.normal(size=(8, 16)) * 0.4).astype(np.float32),
+        "b1": rng.normal(size=16).astype(np.float32),
+        "w2": (rng.normal(size=(16, 4)) * 0.4).astype(np.float32),
+        "b2": rng.normal(size=4).astype(np.float32),
+    }
+
+
+def batches() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(4)
+    return [
+        {
+            "x": rng.normal(size=(BATCH, 8)).astype(np.float32),
+            "y": rng.normal(size=(BATCH, 4)).astype(np.float32),
+        }
+        for _ in range(STEPS)
+    ]
+
+
+def optimizer() -> optax.GradientTransformation:
+    # The threshold sits among the gradients' norms, so the true global norm decides the clipping.
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+
+
+def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array, constrain: Any) -> jax.Array:
+    hidden = jax.nn.relu(constrain(x @ params["w1"] + params["b1"], (None, "model")))
+    return jnp.mean((hidden @ params["w2"] + params["b2"] - y) ** 2)
+
+
+def train(strategy: jaxstrategy.Strategy) -> dict[str, Any]:
+    """Train through `strategy` and report the losses, the parameters and each leaf's layout."""
+    opt = optimizer()
+
+    def step(params, opt_state, batch):
+        context = jaxstrategy.get_replica_context()
+        loss, grads = jax.value_and_grad(loss_fn)(
+            params, batch["x"], batch["y"], jaxstrategy.with_sharding_constraint
+        )
+        grads = context.all_reduce("mean", grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, context.all_reduce("mean", loss)
+
+    with strategy.scope():
+        params = strategy.put(initial_params())
+        opt_state = strategy.init(opt.init, params)
+        losses = []
+        for batch in strategy.experimental_distribute_dataset(batches()):
+            params, opt_state, loss = strategy.run(step, args=(params, opt_state, batch))
+            losses.append(float(loss))
+    local = {shard.device for shard in params["w1"].addressable_shards}
+    return {
+        "losses": losses,
+        # Every leaf is whole on some device of the job; gathered onto the host whole.
+        "params": {
+            k: np.asarray(jax.experimental.multihost_utils.process_allgather(v, tiled=True)).tolist()
+            for k, v in params.items()
+        },
+        "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()},
+        "w1_bytes_here": sum(s.data.nbytes for s in params["w1"].addressable_shards),
+        "local_devices": len(local),
+    }
+
+
+def layouts(strategy: jaxstrategy.MultiWorkerShardedStrategy) -> dict[str, Any]:
+    return {
+        "num_replicas": strategy.num_replicas_in_sync,
+        "devices_per_replica": strategy.devices_per_replica,
+        "mesh": dict(strategy.mesh.shape),
+        "replica_devices": [[d.process_index for d in row.flat] for row in strategy.mesh.devices],
+        "input_pipeline": list(strategy._input_pipeline),
+    }
+
+
+def errors() -> dict[str, str]:
+    found = {}
+    for name, kwargs in {
+        "three": {"num_replicas": 3},
+        "model": {"num_replicas": 1, "model_parallel": 3},
+    }.items():
+        try:
+            jaxstrategy.MultiWorkerShardedStrategy(**kwargs)
+            found[name] = "no error"
+        except ValueError as error:
+            found[name] = str(error)
+    return found
+
+
+def main(output_dir: Path) -> None:
+    # The default, in a job whose processes share one host: one replica over all 4 devices.
+    strategy = jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=0)
+    report: dict[str, Any] = {"one_host": layouts(strategy)}
+    report["one_host_training"] = train(strategy)
+    # As if each process were on a host of its own: one replica per host, split within.
+    real_hostname = socket.gethostname
+    socket.gethostname = lambda: f"host-{jax.process_index()}"
+    try:
+        two_hosts = jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=0)
+    finally:
+        socket.gethostname = real_hostname
+    report["two_hosts"] = layouts(two_hosts)
+    report["two_hosts_training"] = train(two_hosts)
+    # Tensor parallelism: one replica over both processes, and a replica in each.
+    for replicas in (1, 2):
+        megatron = jaxstrategy.MultiWorkerShardedStrategy(
+            num_replicas=replicas, model_parallel=2, layout=MEGATRON, min_shard_bytes=0
+        )
+        report[f"megatron_{replicas}"] = layouts(megatron)
+        report[f"megatron_{replicas}_training"] = train(megatron)
+    report["errors"] = errors()
+    (output_dir / f"process-{jax.process_index()}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
