@@ -59,8 +59,16 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array, constrain:
     return jnp.mean((hidden @ params["w2"] + params["b2"] - y) ** 2)
 
 
-def train(strategy: jaxstrategy.Strategy) -> dict[str, Any]:
-    """Train through `strategy` and report the losses, the parameters and each leaf's layout."""
+def pipeline_batches(context: jaxstrategy.InputContext) -> list[dict[str, np.ndarray]]:
+    """`distribute_datasets_from_function`'s input: this pipeline's rows of each global batch."""
+    rows = BATCH // context.num_input_pipelines
+    start = context.input_pipeline_id * rows
+    return [{k: v[start : start + rows] for k, v in batch.items()} for batch in batches()]
+
+
+def train(strategy: jaxstrategy.Strategy, *, from_function: bool = False) -> dict[str, Any]:
+    """Train through `strategy` and report the losses, the parameters and each leaf's layout;
+    the batches from `distribute_datasets_from_function` when `from_function`."""
     opt = optimizer()
 
     def step(params, opt_state, batch):
@@ -76,7 +84,11 @@ def train(strategy: jaxstrategy.Strategy) -> dict[str, Any]:
         params = strategy.put(initial_params())
         opt_state = strategy.init(opt.init, params)
         losses = []
-        for batch in strategy.experimental_distribute_dataset(batches()):
+        if from_function:
+            dataset = strategy.distribute_datasets_from_function(pipeline_batches)
+        else:
+            dataset = strategy.experimental_distribute_dataset(batches())
+        for batch in dataset:
             params, opt_state, loss = strategy.run(step, args=(params, opt_state, batch))
             losses.append(float(loss))
     local = {shard.device for shard in params["w1"].addressable_shards}
@@ -122,6 +134,8 @@ def main(output_dir: Path) -> None:
     strategy = jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=0)
     report: dict[str, Any] = {"one_host": layouts(strategy)}
     report["one_host_training"] = train(strategy)
+    # Both processes feed the one replica: they share its input pipeline, so read the same rows.
+    report["one_host_from_function_training"] = train(strategy, from_function=True)
     # As if each process were on a host of its own: one replica per host, split within.
     real_hostname = socket.gethostname
     socket.gethostname = lambda: f"host-{jax.process_index()}"
@@ -131,6 +145,7 @@ def main(output_dir: Path) -> None:
         socket.gethostname = real_hostname
     report["two_hosts"] = layouts(two_hosts)
     report["two_hosts_training"] = train(two_hosts)
+    report["two_hosts_from_function_training"] = train(two_hosts, from_function=True)
     # Tensor parallelism: one replica over both processes, and a replica in each.
     for replicas in (1, 2):
         megatron = jaxstrategy.MultiWorkerShardedStrategy(

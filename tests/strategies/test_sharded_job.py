@@ -1,0 +1,233 @@
+"""MultiWorkerShardedStrategy: how a job's devices become replicas, in one process, and a real job
+of two processes with two CPU devices each, trained against a plain `jax.jit` loop on one device."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstrategy
+from jaxstrategy._src.cluster.local_workers import run_local_workers
+from jaxstrategy._src.strategies import multi_worker, multi_worker_sharded
+from jaxstrategy._src.strategies.multi_worker_sharded import ordered_by_host, require_whole_processes
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import sharded_job_worker as worker  # noqa: E402
+
+
+def fake_devices(per_process: int, processes: int) -> list[types.SimpleNamespace]:
+    """What `jax.devices()` lists, in an order other than the job's: interleaved by process."""
+    return [
+        types.SimpleNamespace(process_index=p, id=p * per_process + i)
+        for i in range(per_process)
+        for p in range(processes)
+    ]
+
+
+def test_without_a_cluster_it_is_one_replica_over_this_host(cpu_devices):
+    strategy = jaxstrategy.MultiWorkerShardedStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.devices == tuple(jax.devices())
+    assert strategy.cluster_resolver.num_processes == 1
+    assert strategy._input_pipeline == (1, 0)
+    two = jaxstrategy.MultiWorkerShardedStrategy(num_replicas=2, model_parallel=2)
+    assert two.mesh.shape == {"replica": 2, "shard": len(jax.devices()) // 4, "model": 2}
+    assert "num_replicas=2, model_parallel=2" in repr(two)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"num_replicas": 0},
+            ValueError,
+            r"num_replicas must be a positive int, or None for one replica per host",
+        ),
+        (
+            {"num_replicas": 3},
+            ValueError,
+            r"num_replicas=3 does not divide the \d devices.*among \[1, 2, 4[,\]]",
+        ),
+        ({"model_parallel": 3}, ValueError, r"model_parallel=3 does not divide"),
+        ({"initialization_timeout": 0}, ValueError, r"initialization_timeout=0\): expected 1 second or more"),
+    ],
+)
+def test_a_layout_the_job_does_not_fit_is_an_error(kwargs, error, message):
+    with pytest.raises(error, match=r"MultiWorkerShardedStrategy\(.*" + message):
+        jaxstrategy.MultiWorkerShardedStrategy(**kwargs)
+
+
+def test_devices_are_ordered_host_by_host_then_process_by_process():
+    devices = fake_devices(2, 4)
+    hosts = {0: "b", 1: "a", 2: "b", 3: "a"}  # Processes 0 and 2 share host b, listed first.
+    ordered = ordered_by_host(devices, hosts)
+    assert [(d.process_index, d.id) for d in ordered] == [
+        (0, 0), (0, 1), (2, 4), (2, 5), (1, 2), (1, 3), (3, 6), (3, 7),
+    ]  # fmt: skip
+
+
+def test_the_default_is_one_replica_per_host_and_needs_hosts_of_one_size():
+    devices = fake_devices(1, 4)
+    assert multi_worker_sharded._one_replica_per_host(devices, {0: "a", 1: "a", 2: "b", 3: "b"}) == 2
+    with pytest.raises(jaxstrategy.InvalidDeviceError) as raised:
+        multi_worker_sharded._one_replica_per_host(devices, {0: "a", 1: "a", 2: "a", 3: "b"})
+    assert "different numbers of devices, so one replica per host" in str(raised.value)
+    assert "  a: 3 devices\n  b: 1 devices\n" in str(raised.value)
+    assert "pass num_replicas= so that every replica is made of whole processes" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("per_process", "processes", "replicas", "fits"),
+    [
+        (2, 2, 1, True),  # A replica over both processes.
+        (2, 2, 4, True),  # Two replicas in each process.
+        (4, 3, 6, True),
+        (4, 3, 2, False),  # Replicas of 6 devices cut across processes of 4.
+        (3, 2, 3, False),  # Replicas of 2 devices cut across processes of 3.
+    ],
+)
+def test_replicas_are_made_of_whole_processes_or_processes_of_whole_replicas(
+    monkeypatch, per_process, processes, replicas, fits
+):
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    devices = fake_devices(per_process, processes)
+    if fits:
+        require_whole_processes(devices, replicas)
+        return
+    with pytest.raises(ValueError, match=r"cut across the processes' \d devices each") as raised:
+        require_whole_processes(devices, replicas)
+    fitting = [r for r in range(1, len(devices) + 1) if len(devices) % r == 0]
+    fitting = [
+        r for r in fitting if (len(devices) // r) % per_process == 0 or per_process % (len(devices) // r) == 0
+    ]
+    assert f"choose num_replicas among {fitting}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("per_process", "replicas", "expected"),
+    [
+        (2, 1, [(1, 0), (1, 0)]),  # One replica over both: one pipeline, read by both.
+        (2, 2, [(2, 0), (2, 1)]),
+        (2, 4, [(2, 0), (2, 1)]),  # Two replicas each: still a pipeline per process.
+    ],
+)
+def test_processes_that_share_a_replica_share_its_input_pipeline(
+    monkeypatch, per_process, replicas, expected
+):
+    devices = sorted(fake_devices(per_process, 2), key=lambda d: d.id)
+    for process in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda process=process: process)
+        assert multi_worker._input_pipeline_of_this_process(devices, replicas) == expected[process]
+
+
+# --- a job of two processes ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> list[dict]:
+    output = tmp_path_factory.mktemp("sharded_job")
+    results = run_local_workers(
+        [str(HERE / "sharded_job_worker.py"), str(output)], 2, devices_per_worker=2, timeout=240
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((output / f"process-{i}.json").read_text()) for i in (0, 1)]
+
+
+def _one_device_training() -> tuple[list[float], dict[str, np.ndarray]]:
+    opt = worker.optimizer()
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(worker.loss_fn)(params, batch["x"], batch["y"], lambda h, spec: h)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = worker.initial_params()
+    opt_state = opt.init(params)
+    losses = []
+    for batch in worker.batches():
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return losses, params
+
+
+LAYOUTS = {
+    # name: (mesh, which process holds each device of each replica)
+    "one_host": ({"replica": 1, "shard": 4}, [[0, 0, 1, 1]]),
+    "two_hosts": ({"replica": 2, "shard": 2}, [[0, 0], [1, 1]]),
+    "megatron_1": ({"replica": 1, "shard": 2, "model": 2}, [[0, 0, 1, 1]]),
+    "megatron_2": ({"replica": 2, "shard": 1, "model": 2}, [[0, 0], [1, 1]]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_of_the_job_trains_as_one_device(job, name):
+    # SGD with momentum and clipping by the global norm: a gradient summed rather than averaged
+    # over the replicas, or a replica's own, moves the parameters elsewhere.
+    expected_losses, expected = _one_device_training()
+    mesh, processes = LAYOUTS[name]
+    for process, report in enumerate(job):
+        assert report[name]["mesh"] == mesh
+        assert report[name]["replica_devices"] == processes
+        training = report[f"{name}_training"]
+        np.testing.assert_allclose(
+            training["losses"], expected_losses, rtol=2e-6, err_msg=f"process {process}"
+        )
+        for leaf, value in expected.items():
+            np.testing.assert_allclose(
+                training["params"][leaf], value, atol=1e-6, err_msg=f"{leaf} on {process}"
+            )
+        assert training["local_devices"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["one_host", "two_hosts"])
+def test_input_pipelines_from_a_function_train_as_one_device(job, name):
+    # Where both processes hold parts of one replica, they must read the same rows for it: with a
+    # pipeline of its own each, process 1 would feed the replica's devices other examples.
+    expected_losses, expected = _one_device_training()
+    for process, report in enumerate(job):
+        training = report[f"{name}_from_function_training"]
+        np.testing.assert_allclose(
+            training["losses"], expected_losses, rtol=2e-6, err_msg=f"process {process}"
+        )
+        for leaf, value in expected.items():
+            np.testing.assert_allclose(
+                training["params"][leaf], value, atol=1e-6, err_msg=f"{leaf} on {process}"
+            )
+
+
+@pytest.mark.slow
+def test_a_host_holds_a_replica_split_over_its_devices(job):
+    # One host (both processes on this machine): one replica over all four devices, each process
+    # holding half of each split leaf. As if on two hosts: a replica each, split over its two.
+    for process, report in enumerate(job):
+        assert report["one_host"]["replica_devices"] == LAYOUTS["one_host"][1]
+        assert report["two_hosts"]["replica_devices"] == LAYOUTS["two_hosts"][1]
+        whole = 8 * 16 * 4  # w1, float32
+        assert report["one_host_training"]["w1_bytes_here"] == whole // 2
+        assert report["two_hosts_training"]["w1_bytes_here"] == whole
+        assert report["one_host"]["input_pipeline"] == [1, 0]
+        assert report["two_hosts"]["input_pipeline"] == [2, process]
+        assert report["megatron_1_training"]["specs"]["w1"] == "(None, 'model')"
+
+
+@pytest.mark.slow
+def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
+    for report in job:
+        assert report["errors"]["three"].startswith(
+            "MultiWorkerShardedStrategy(): num_replicas=3 does not divide the 4 devices"
+        )
+        assert report["errors"]["model"].startswith(
+            "MultiWorkerShardedStrategy(): model_parallel=3 does not divide"
+        )

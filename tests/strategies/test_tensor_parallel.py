@@ -1,0 +1,218 @@
+"""ShardedStrategy's 'model' axis: the conformance suite on a mesh ('replica', 'shard', 'model'), a
+Megatron-style MLP against a plain `jax.jit` loop on one device, and `with_sharding_constraint`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conformance import StrategyConformance
+from jax.sharding import PartitionSpec as P
+
+import jaxstrategy
+from jaxstrategy import ShardedStrategy
+
+# (replicas, shards, model): a replica of one 'shard' device pair split on 'model', and two.
+SHAPES = [(1, 2, 2), (2, 1, 2)]
+# Megatron's split: the first kernel's output dimension and the second's input dimension.
+MEGATRON = [("w1", P(None, "model")), ("b1", P("model")), ("w2", P("model", None))]
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*no dimension of it divides:UserWarning")
+
+
+def _ids(shape: tuple[int, int, int]) -> str:
+    return "R{}xS{}xM{}".format(*shape)
+
+
+@pytest.fixture(params=SHAPES, ids=_ids)
+def tensor_parallel(request, cpu_devices):
+    replicas, _, model = request.param
+    return ShardedStrategy(cpu_devices[:4], num_replicas=replicas, model_parallel=model, min_shard_bytes=64)
+
+
+class TestConformance(StrategyConformance):
+    @pytest.fixture
+    def strategy_under_test(self, tensor_parallel):
+        return tensor_parallel
+
+
+def _params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {
+        "w1": (rng.normal(size=(6, 16)) * 0.4).astype(np.float32),
+        "b1": rng.normal(size=16).astype(np.float32),
+        "w2": (rng.normal(size=(16, 3)) * 0.4).astype(np.float32),
+    }
+
+
+def _batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(2)
+    return [
+        (rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32))
+        for _ in range(4)
+    ]
+
+
+def _loss(params, x, y, constrain=lambda h, spec: h):
+    hidden = jax.nn.relu(constrain(x @ params["w1"] + params["b1"], (None, "model")))
+    return jnp.mean((hidden @ params["w2"] - y) ** 2)
+
+
+_OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+
+def _one_device_training():
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = _params()
+    opt_state = _OPTIMIZER.init(params)
+    losses = []
+    for x, y in _batches():
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    return losses, params
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_a_megatron_mlp_trains_as_on_one_device(cpu_devices, shape):
+    replicas, shards, model = shape
+    strategy = ShardedStrategy(
+        cpu_devices[:4], num_replicas=replicas, model_parallel=model, layout=MEGATRON, min_shard_bytes=0
+    )
+    assert strategy.mesh.shape == {"replica": replicas, "shard": shards, "model": model}
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        context = jaxstrategy.get_replica_context()
+        loss, grads = jax.value_and_grad(_loss)(params, x, y, jaxstrategy.with_sharding_constraint)
+        grads = context.all_reduce("mean", grads)
+        updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, context.all_reduce("mean", loss)
+
+    with strategy.scope():
+        params = strategy.put(_params())
+        opt_state = strategy.init(_OPTIMIZER.init, params)
+        losses = []
+        for batch in strategy.experimental_distribute_dataset(_batches()):
+            params, opt_state, loss = strategy.run(step, args=(params, opt_state, batch))
+            losses.append(float(loss))
+    expected_losses, expected = _one_device_training()
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for name in expected:
+        np.testing.assert_allclose(np.asarray(params[name]), expected[name], atol=1e-6, err_msg=name)
+    # Each kernel stays split on 'model', its momentum with it: half of it on each device.
+    assert params["w1"].sharding.spec == P(None, "model")
+    assert opt_state[0].trace["w2"].sharding.spec == P("model")
+    assert {shard.data.shape for shard in params["w1"].addressable_shards} == {(6, 8)}
+
+
+def _inspected_spec(strategy, constrain):
+    """The spec XLA gave the hidden activation inside `run` (compile time)."""
+    seen = []
+
+    def fn(x, w):
+        hidden = constrain(x @ w)
+        jax.debug.inspect_array_sharding(hidden, callback=lambda sharding: seen.append(sharding.spec))
+        return jnp.sum(hidden)
+
+    strategy.run(fn, args=(jnp.ones((4, 6)), jnp.ones((6, 8))))
+    return seen[0]
+
+
+def test_with_sharding_constraint_lays_out_an_activation_on_the_model_axis(cpu_devices):
+    for replicas in (1, 2):  # Bound by a vmap of one replica, and by the shard_map.
+        strategy = ShardedStrategy(cpu_devices[:4], num_replicas=replicas, model_parallel=2)
+        constrained = _inspected_spec(
+            strategy, lambda h: jaxstrategy.with_sharding_constraint(h, (None, "model"))
+        )
+        assert "model" in str(constrained), constrained
+        assert "model" not in str(_inspected_spec(strategy, lambda h: h))
+
+
+def test_with_sharding_constraint_is_the_identity_without_those_axes(cpu_devices):
+    x = jnp.arange(6.0).reshape(2, 3)
+    for strategy in (
+        jaxstrategy.OneDeviceStrategy(cpu_devices[0]),
+        jaxstrategy.MirroredStrategy(cpu_devices[:2]),
+    ):
+        with strategy.scope():
+            assert jaxstrategy.with_sharding_constraint(x, P(None, "model")) is x
+    # No 'model' axis: its entries are dropped, 'shard' stays.
+    strategy = ShardedStrategy(cpu_devices[:2])
+    with strategy.scope():
+        laid_out = jaxstrategy.with_sharding_constraint(jnp.ones((4, 6)), (("shard", "model"), None))
+    assert laid_out.sharding.spec == P("shard", None)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "message"),
+    [
+        (P("replica"), ValueError, r"names 'replica'; .* split over 'shard' and 'model' only"),
+        ((None, "data"), ValueError, r"names 'data'"),
+        (("model", "model"), ValueError, r"names 'model' more than once"),
+        ("model", TypeError, r"must be a PartitionSpec \(or a tuple of its entries\); got 'model'"),
+    ],
+)
+def test_with_sharding_constraint_refuses_a_spec_over_other_axes(cpu_devices, spec, error, message):
+    with pytest.raises(error, match=r"jaxstrategy.with_sharding_constraint\(\): .*" + message):
+        jaxstrategy.with_sharding_constraint(jnp.ones((2, 2)), spec)
+
+
+def test_a_layout_for_the_model_axis_serves_a_strategy_without_one(cpu_devices):
+    with_model = ShardedStrategy(cpu_devices[:4], model_parallel=2, layout=MEGATRON, min_shard_bytes=0)
+    without = ShardedStrategy(cpu_devices[:4], layout=MEGATRON, min_shard_bytes=0)
+    params = _params()
+    assert with_model.layout_of(params)["w1"].spec == P(None, "model")
+    assert without.layout_of(params)["w1"].spec == P(None, None)
+    assert without.mesh.axis_names == ("replica", "shard")
+
+
+def test_sizes_count_both_axes(cpu_devices):
+    strategy = ShardedStrategy(
+        cpu_devices[:4], model_parallel=2, layout=[("w1", P(None, ("shard", "model")))], min_shard_bytes=0
+    )
+    rows = {row.path: row for row in strategy.describe_layout(_params()).rows}
+    assert rows["w1"].bytes_per_device == 6 * 16 * 4 // 4
+    assert rows["w2"].reason.startswith("default") and rows["w2"].spec == P("shard", None)
+    assert rows["w2"].bytes_per_device == 16 * 3 * 4 // 2
+    assert strategy.devices_per_replica == 4 and strategy.model_parallel == 2
+
+
+def test_a_split_that_both_axes_together_do_not_divide_is_an_error(cpu_devices):
+    strategy = ShardedStrategy(
+        cpu_devices[:4], model_parallel=2, layout=[("b1", P(("shard", "model")))], min_shard_bytes=0
+    )
+    with pytest.raises(ValueError, match=r"splits dimension 0 \(of size 6\) of the leaf 'b1' over 4 devices"):
+        strategy.put({"b1": np.zeros(6, np.float32)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"model_parallel": 3},
+            r"model_parallel=3 does not divide the 4 devices of each replica .* among \[1, 2, 4\]",
+        ),
+        (
+            {"num_replicas": 2, "model_parallel": 4},
+            r"model_parallel=4 does not divide the 2 devices of each replica .* among \[1, 2\]",
+        ),
+        ({"model_parallel": 0}, r"model_parallel must be a positive int; got 0"),
+        ({"model_parallel": True}, r"model_parallel must be a positive int; got True"),
+    ],
+)
+def test_model_parallel_must_divide_a_replica_s_devices(cpu_devices, kwargs, message):
+    with pytest.raises(ValueError, match=r"ShardedStrategy\(\): " + message):
+        ShardedStrategy(cpu_devices[:4], **kwargs)
+
+
+def test_strategies_differing_in_model_parallel_differ(cpu_devices):
+    one, two = (ShardedStrategy(cpu_devices[:4], model_parallel=m) for m in (1, 2))
+    assert one != two and one == ShardedStrategy(cpu_devices[:4])
+    assert "model_parallel=2" in repr(two)
