@@ -26,6 +26,7 @@ from training_reference import (
     OPTIMIZERS,
     flax_docs_objects,
     flax_docs_train_step,
+    host_value,
     nnx_jit_training,
     reference_training,
     strategy_training,
@@ -70,18 +71,20 @@ def devices_per_replica(strategy) -> int:
 
 
 def replica_devices(strategy, i: int) -> set:
-    """The devices of replica `i`: consecutive in `strategy.devices`."""
+    """This process's devices of replica `i` (consecutive in `strategy.devices`): all of them,
+    but where a replica of a sharded strategy spans processes."""
     s = devices_per_replica(strategy)
-    return set(strategy.devices[i * s : (i + 1) * s])
+    return {d for d in strategy.devices[i * s : (i + 1) * s] if d.process_index == jax.process_index()}
 
 
 def local_replica_ids(strategy) -> list[int]:
-    """The ids of the replicas whose devices belong to this process: all, with one process."""
+    """The ids of the replicas this process holds devices of: all, with one process (a replica
+    of a sharded strategy may span processes, each holding some of its devices)."""
     s = devices_per_replica(strategy)
     return [
         i
         for i in range(strategy.num_replicas_in_sync)
-        if strategy.devices[i * s].process_index == jax.process_index()
+        if any(d.process_index == jax.process_index() for d in strategy.devices[i * s : (i + 1) * s])
     ]
 
 
@@ -834,7 +837,9 @@ class StrategyConformance:
             strategy_under_test.devices
         )
         extended = strategy_under_test.extended
-        local_devices = len(local_replica_ids(strategy_under_test)) * devices_per_replica(strategy_under_test)
+        # This process's devices: of each of its replicas, those it holds.
+        ids = local_replica_ids(strategy_under_test)
+        local_devices = sum(len(replica_devices(strategy_under_test, i)) for i in ids)
         assert len(extended.worker_devices) == local_devices
         assert extended.parameter_devices == extended.worker_devices
         assert all(name.startswith("/job:") for name in extended.worker_devices)
@@ -945,7 +950,7 @@ class StrategyConformance:
         np.testing.assert_allclose(losses, expected.losses, rtol=1e-5)
         first_replica = strategy_under_test.experimental_local_results(nnx.state(model, nnx.Param))[0]
         chex.assert_trees_all_close(
-            jax.tree.map(np.asarray, nnx.to_pure_dict(first_replica)), expected.params, rtol=1e-5, atol=1e-6
+            jax.tree.map(host_value, nnx.to_pure_dict(first_replica)), expected.params, rtol=1e-5, atol=1e-6
         )
         assert int(optimizer.step[...]) == len(batches)
         # The key counter advanced once per step, as under nnx.jit.

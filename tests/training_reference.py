@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.experimental.multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -84,6 +85,15 @@ def _read_only(array: jax.Array) -> np.ndarray:
     return copy
 
 
+def host_value(array) -> np.ndarray:
+    """`array`'s value on the host; of an array split across processes (a replica of a
+    multi-process sharded strategy spanning them), gathered from every process, which must all
+    call this."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        return np.asarray(jax.experimental.multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
+
+
 def strategy_training(strategy, tx, batches, idiom, options=None):
     """Train through `strategy.run` in one of TensorFlow's idioms; return the losses and the
     final parameters of this process's first replica."""
@@ -98,7 +108,7 @@ def strategy_training(strategy, tx, batches, idiom, options=None):
             )
             losses.append(float(loss))
     assert_tree_on_strategy(params, strategy)
-    return losses, jax.tree.map(np.asarray, strategy.experimental_local_results(params)[0])
+    return losses, jax.tree.map(host_value, strategy.experimental_local_results(params)[0])
 
 
 def train_step(params, opt_state, batch, *, tx, idiom):

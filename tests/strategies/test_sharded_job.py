@@ -4,6 +4,8 @@ of two processes with two CPU devices each, trained against a plain `jax.jit` lo
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -12,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conformance import StrategyConformance
 
 import jaxstrategy
 from jaxstrategy._src.cluster.local_workers import run_local_workers
@@ -21,6 +24,35 @@ from jaxstrategy._src.strategies.multi_worker_sharded import ordered_by_host, re
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import sharded_job_worker as worker  # noqa: E402
+
+REPO_ROOT = HERE.parents[1]
+# Where the workers running the conformance suite share a directory (checkpoints must be in one).
+SHARED_TMP_ENV = "JAXSTRATEGY_TEST_SHARED_TMP"
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*no dimension of it divides:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def sharded_job_strategy():
+    """This process alone; in the workers of test_conformance_passes_in_each_of_two_processes,
+    their two-process job: one replica (one host) over both, each holding half of its leaves."""
+    return jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=64)
+
+
+@pytest.fixture
+def tmp_path(request, tmp_path_factory):
+    shared = os.environ.get(SHARED_TMP_ENV)
+    if shared is None:
+        return tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:30])
+    path = Path(shared) / re.sub(r"\W", "_", request.node.nodeid)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class TestConformance(StrategyConformance):
+    @pytest.fixture
+    def strategy_under_test(self, sharded_job_strategy):
+        return sharded_job_strategy
 
 
 def fake_devices(per_process: int, processes: int) -> list[types.SimpleNamespace]:
@@ -231,3 +263,17 @@ def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
         assert report["errors"]["model"].startswith(
             "MultiWorkerShardedStrategy(): model_parallel=3 does not divide"
         )
+
+
+@pytest.mark.slow
+def test_conformance_passes_in_each_of_two_processes(tmp_path):
+    env = {**os.environ, SHARED_TMP_ENV: str(tmp_path)}
+    command = ["-m", "pytest", f"{Path(__file__).relative_to(REPO_ROOT)}::TestConformance", "-q"]
+    results = run_local_workers(command, 2, devices_per_worker=2, timeout=300, env=env, cwd=REPO_ROOT)
+    described = "\n".join(
+        f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}" for i, r in enumerate(results)
+    )
+    assert all(result.returncode == 0 for result in results), described
+    summaries = [re.search(r"(\d+) passed", result.stdout) for result in results]
+    assert all(summaries) and summaries[0][1] == summaries[1][1], described
+    assert int(summaries[0][1]) > 50

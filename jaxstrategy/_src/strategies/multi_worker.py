@@ -114,7 +114,8 @@ class JobMember(MeshStrategy):
         resolver = self._cluster_resolver
         job = resolver.task_type or "localhost"
         task = resolver.task_id if resolver.task_id is not None else resolver.process_id
-        names = tuple(canonical_name(d, job=job, task=task) for d in self._local_devices)
+        here = jax.process_index()
+        names = tuple(canonical_name(d, job=job, task=task) for d in self._devices if d.process_index == here)
         is_chief = resolver.process_id == 0 and resolver.task_type != "evaluator"
         return StrategyExtended(
             worker_devices=names,
