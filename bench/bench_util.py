@@ -27,6 +27,24 @@ def count_compiles() -> collections.Counter[str]:
     return compiles
 
 
+def bytes_read() -> int:
+    """The bytes this process has read so far: `rchar` of `/proc/self/io`. Linux only.
+
+    `rchar` counts what `read(2)`, `pread(2)` and their kin returned, from the page cache or the
+    disk alike (so a restore's bytes are counted whether or not the files were cached), and not
+    what is read through `mmap`. Take it before and after a call: the difference is what the
+    call read, plus whatever other threads of the process read meanwhile.
+
+    Raises:
+      OSError: there is no `/proc/self/io` (not Linux).
+    """
+    with open("/proc/self/io") as io:
+        for line in io:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise OSError("/proc/self/io has no rchar line")
+
+
 # A timed loop: given a number of calls, make them and return the seconds per call.
 Loop = Callable[[int], float]
 

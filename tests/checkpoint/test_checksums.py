@@ -421,8 +421,8 @@ _JOB = textwrap.dedent(
     checkpoint.save(sys.argv[1], tree, step=0)
     restored = checkpoint.restore(sys.argv[1], strategy=strategy, target=tree)
 
-    # Restored split over the processes otherwise than saved (no strategy does this yet): 4:8 is
-    # held whole by process 1 alone, which checks it; 8:16 by none, which says so.
+    # Restored split over the processes otherwise than saved: 4:8 is held whole by process 1
+    # alone, which checks it; 8:16 by none, so both check it together from their parts.
     devices = jax.devices()
     interleaved = jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array([devices[0], devices[2], devices[1], devices[3]]), ("x",)),
@@ -430,8 +430,9 @@ _JOB = textwrap.dedent(
     )
     split = jax.make_array_from_callback(values.shape, interleaved, lambda index: values[index])
     said = []
-    for first in (0, checksums.crc32c(values[0:4])):  # Process 0's region damaged, then not.
-        regions = {"w": {((0, 4),): first, ((4, 8),): checksums.crc32c(values[4:8]), ((8, 16),): 0}}
+    # 0:4 and 8:16 damaged, then neither.
+    for first, last in ((0, 0), (checksums.crc32c(values[0:4]), checksums.crc32c(values[8:16]))):
+        regions = {"w": {((0, 4),): first, ((4, 8),): checksums.crc32c(values[4:8]), ((8, 16),): last}}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -452,25 +453,20 @@ def test_each_process_of_a_job_checksums_its_own_shards_and_positions(tmp_path):
     assert [result.returncode for result in results] == [0, 0], [r.stderr[-3000:] for r in results]
     seen = [json.loads(result.stdout.splitlines()[-1]) for result in results]
     assert [process["w"] for process in seen] == [list(map(float, range(16)))] * 2
-    # Process 0 holds 0:4 (its checksum, 0, is wrong: found), process 1 holds 4:8 (right), and
-    # both raise: process 1 alone would go on into a step and wait there for process 0.
+    # Process 0 holds 0:4 (its checksum, 0, is wrong: found), process 1 holds 4:8 (right), the
+    # two of them 8:16 (wrong: found from both parts), and both raise: process 1 alone would go
+    # on into a step and wait there for process 0.
     for process in seen:
         (damaged,) = process["said"][0]
         assert re.fullmatch(
             r"Cannot read the checkpoint at the job: the bytes read for these leaves differ from those "
-            r"saved .*:\n  w\[0:4\]: crc32c 0x[0-9a-f]{8}, saved 0x00000000 \(found by process 0\)\n.*",
+            r"saved .*:\n  w\[0:4\]: crc32c 0x[0-9a-f]{8}, saved 0x00000000 \(found by process 0\)\n"
+            r"  w\[8:16\]: crc32c 0x[0-9a-f]{8}, saved 0x00000000 \(split over processes 0, 1\)\n.*",
             damaged,
             re.DOTALL,
         ), process["said"]
-    # With 0:4 right, both warn of what neither could check.
-    assert [process["said"][1] for process in seen] == [
-        [
-            "Restoring the checkpoint at the job: these parts of leaves, saved whole by one process, "
-            "are restored split over processes, so no process holds one whole to check it against its "
-            "checksum, and they restore unchecked: ['w[8:16]']. Restore onto a sharding that keeps "
-            "each saved shard within one process to check them."
-        ]
-    ] * 2
+    # Right, they restore without a word: no region is left unchecked.
+    assert [process["said"][1] for process in seen] == [[], []]
     files = {
         i: json.loads((tmp_path / "0" / "checksums" / f"process_{i}-of-2.json").read_text()) for i in range(2)
     }
@@ -535,12 +531,44 @@ def test_saved_shards_are_checked_from_whatever_sharding_they_restore_onto(cpu_d
     values = np.random.default_rng(6).standard_normal((8, 6), dtype=np.float32)
     saved = {"w": _saved_regions(values, sharding((2,), ("x",)))}
     assert sorted(saved["w"]) == [((0, 4), (0, 6)), ((4, 8), (0, 6))]
-    assert checksums.mismatches({"w": jax.device_put(values, shardings[onto])}, saved) == ([], [])
+    assert checksums.mismatches({"w": jax.device_put(values, shardings[onto])}, saved) == checksums.Findings()
     damaged = values.copy()
     damaged[5, 4] += 1
-    found, unchecked = checksums.mismatches({"w": jax.device_put(damaged, shardings[onto])}, saved)
-    assert unchecked == [] and len(found) == 1
+    findings = checksums.mismatches({"w": jax.device_put(damaged, shardings[onto])}, saved)
+    found = findings.damaged
+    assert findings.unchecked == [] and findings.partial == {} and len(found) == 1
     assert re.fullmatch(r"w\[4:8, 0:6\]: crc32c 0x[0-9a-f]{8}, saved 0x[0-9a-f]{8}", found[0]), found
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_a_region_s_checksum_is_put_together_from_partial_sums_of_its_parts(parts):
+    # How a region split between processes is checked: each sums its parts, zeros elsewhere.
+    values = np.random.default_rng(8).standard_normal((5, 7), dtype=np.float32)
+    owner = np.arange(values.size).reshape(values.shape) % parts  # Interleaved, as columns split.
+    partial = {
+        process: {
+            "w[0:5, 0:7]": (
+                checksums.crc32c(values),
+                checksums.crc32c(np.where(owner == process, values, 0)),
+                values.nbytes,
+            )
+        }
+        for process in range(parts)
+    }
+    assert checksums.combine(partial) == []
+    damaged = values.copy()
+    damaged[3, 6] = np.nextafter(damaged[3, 6], np.inf)  # One bit.
+    partial[int(owner[3, 6])]["w[0:5, 0:7]"] = (
+        checksums.crc32c(values),
+        checksums.crc32c(np.where(owner == owner[3, 6], damaged, 0)),
+        values.nbytes,
+    )
+    (line,) = checksums.combine(partial)
+    processes = ", ".join(map(str, range(parts)))
+    assert re.fullmatch(
+        rf"w\[0:5, 0:7\]: crc32c 0x[0-9a-f]{{8}}, saved 0x[0-9a-f]{{8}} \(split over processes {processes}\)",
+        line,
+    ), line
 
 
 def test_regions_are_covered_only_by_parts_holding_all_their_elements():

@@ -172,8 +172,12 @@ def test_a_sharded_save_writes_each_shard_once(tmp_path):
         sizes[name] = _stored_bytes(tmp_path / name)
         checksums_file = tmp_path / name / "0" / "checksums" / "process_0-of-1.json"
         regions = json.loads(checksums_file.read_text())["leaves"]["w"]
-        shards = strategy.devices_per_replica if isinstance(strategy, jaxstrategy.ShardedStrategy) else 1
-        assert len(regions) == shards, (name, sorted(regions))  # Each region once, not once per replica.
+        # Each element summed once, not once per replica: orbax has each device write 1/R of its
+        # replica's shard (replica-parallel), and the checksums are of exactly those parts.
+        assert len(regions) == len(strategy.devices), (name, sorted(regions))
+        rows = sorted(tuple(map(int, key.split(",")[0].split(":"))) for key in regions)
+        assert [start for start, _ in rows] == [0, *(stop for _, stop in rows[:-1])], rows
+        assert rows[-1][1] == 512, rows
     for name, size in sizes.items():
         assert model_bytes * 0.9 < size < model_bytes * 1.1, (name, size, model_bytes)
 
@@ -194,7 +198,7 @@ def test_a_damaged_shard_is_found_restoring_onto_a_sharded_strategy_of_any_shape
     checkpoint.save(tmp_path / "step", state)
     kernel = np.asarray(state["params"]["dense"]["kernel"])
     damaged = kernel.copy()
-    damaged[40, 3] += 1  # In the second of the two shards saved: rows 32 to 64.
+    damaged[40, 3] += 1  # In the part of the second shard that replica 0 saved: rows 32 to 48.
     _transplant_state(
         tmp_path / "step",
         {**state, "params": {"dense": {**state["params"]["dense"], "kernel": saving.put(damaged)}}},
@@ -206,7 +210,7 @@ def test_a_damaged_shard_is_found_restoring_onto_a_sharded_strategy_of_any_shape
             match=re.escape(f"Cannot read the checkpoint at step 0 in {tmp_path / 'step'}: ")
             + r"the bytes read for these leaves differ from those saved \(their checksums, written with "
             r"the step, do not match\), so its files were damaged or changed after the save:\n  "
-            + re.escape(f"{_KERNEL}[32:64, 0:32]")
+            + re.escape(f"{_KERNEL}[32:48, 0:32]")
             + r": crc32c 0x[0-9a-f]{8}, saved 0x[0-9a-f]{8}\nRestore another step, or restore with "
             r"verify=False to get the damaged values anyway\.$",
         ):

@@ -110,3 +110,24 @@ def test_the_log_filter_is_installed_by_the_first_writer_not_by_import(tmp_path)
     assert result.returncode == 0, result.stderr
     printed = [line for line in result.stdout.splitlines() if line.startswith("filters:")]
     assert printed == ["filters: []", "filters: ['_OrbaxFailureFilter']"], result.stdout + result.stderr
+
+
+def test_written_parts_are_what_orbax_writes_replica_parallel(cpu_devices):
+    # Orbax's replica-parallel save: each of the 4 copies of a replicated array writes a quarter.
+    assert orbax_compat.lookup(orbax_compat.REPLICA_SLICES_PATHS)[0] == orbax_compat.REPLICA_SLICES_PATHS[0]
+    import jax
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("x",))
+    array = jax.device_put(
+        np.arange(24.0).reshape(8, 3), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    parts = orbax_compat.written_parts(array)
+    assert sorted((index[0].start, index[0].stop) for index, _, _ in parts) == [
+        (0, 2),
+        (2, 4),
+        (4, 6),
+        (6, 8),
+    ]
+    for index, data, within in parts:
+        assert np.array_equal(np.asarray(data)[within], np.asarray(array)[index])

@@ -10,11 +10,15 @@ What is summed, and by whom. Each process of a job writes its own file in the it
 `process_<i>-of-<n>.json` (as `iterators.py` writes positions), so that in a job of several
 processes no leaf restores unchecked. It holds:
 
-- `leaves`: for each leaf path, the CRC32C of the bytes of each shard the process hands orbax
-  (its addressable shards with `replica_id == 0`: every byte of the job's arrays is summed once,
-  by a process that holds it, and nothing is assembled on a host), keyed by the shard's region,
-  `start:stop` per dimension (`0:500,0:8`; empty for a scalar). Host (numpy) leaves, which orbax
-  has the primary process write, are summed whole by process 0.
+- `leaves`: for each leaf path, the CRC32C of the bytes of each part of a shard that orbax has
+  this process write, keyed by the part's region, `start:stop` per dimension (`0:500,0:8`;
+  empty for a scalar): every byte of the job's arrays is summed once, by the process that
+  writes it, and nothing is assembled on a host. Orbax saves replica-parallel by default (not
+  where `JAX_PLATFORMS` names a GPU): each of a shard's R copies writes 1/R of it, so with
+  R = 2 replicas of S = 2 devices over two processes each process writes, and sums, half of
+  each shard; `orbax_compat.written_parts` asks orbax which parts. The regions of a process's
+  file are thus exactly the chunks of its own OCDBT database (`state/ocdbt.process_<i>`).
+  Host (numpy) leaves, which orbax has the primary process write, are summed whole by process 0.
 - `items`: the CRC32C of each JSON item the process's save writes. Of its iterator positions
   (`iterators/process_<i>-of-<n>.json`), which jaxstrategy writes itself, the exact bytes of the
   file. Orbax's `JsonCheckpointHandler` writes `prng_keys` and `zero_size_shapes` (on process
@@ -48,20 +52,26 @@ deleting both the item and the record goes unseen, as deleting both would wherev
 lived); a step of jaxstrategy 0.1 has no record and a `checksums.json` of its whole leaves'
 block sums, which are still checked.
 
-Restoring, each process checks every saved shard record whose region it holds whole in the
-restored arrays, whatever sharding they were restored onto: from the one local shard that
-contains the region (a slice of it, without a copy when the region is the shard), or else from
-the local shards that together cover it, copied into one buffer of the region's size (at most
-one saved shard). A region no process of the job holds whole (arrays restored sharded over the
-processes differently from how they were saved; no jaxstrategy strategy does this today, each
-holds its variables whole on every device) cannot be checked and is named in a warning.
+Restoring, each process checks every saved region it holds whole in the restored arrays,
+whatever sharding they were restored onto: from the one local shard that contains the region (a
+slice of it, without a copy when the region is the shard), or else from the local shards that
+together cover it, copied into one buffer of the region's size. A region no process holds whole
+(restored split over the processes otherwise than saved: saved in halves of rows, restored split
+by columns over the devices of both) is checked by the processes holding its parts together,
+without reading anything more from storage: CRC32C is affine in the bytes summed, so each sums a
+buffer of the region's size holding its parts and zeros elsewhere, and the XOR of their sums,
+gathered with the other findings, is the region's once corrected for the zeros (`combine`). Only
+jaxstrategy 0.1's checksums, of whole leaves by another algorithm, cannot be put together so: a
+leaf of such a step restored split over processes is named in a warning and restores unchecked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import operator
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,6 +94,7 @@ from jaxstrategy._src.checkpoint.format import (
     answer_to_former_names,
     process_file,
 )
+from jaxstrategy._src.core import orbax_compat
 from jaxstrategy._src.core.types import PyTree
 
 # Named in the record and in each file, so that a later change of algorithm is recognised
@@ -167,9 +178,8 @@ def save_args(
         name = stored_leaves.path_string(path)
         if isinstance(leaf, jax.Array):
             parts = {
-                regions.key(regions.region_of(shard.index, leaf.shape)): shard.data
-                for shard in leaf.addressable_shards
-                if shard.replica_id == 0
+                regions.key(regions.region_of(index, leaf.shape)): (data, within)
+                for index, data, within in orbax_compat.written_parts(leaf)
             }
             if parts:
                 shards[name] = parts
@@ -177,9 +187,13 @@ def save_args(
             data = np.asarray(leaf)
             summed[name] = {regions.key(regions.whole(data.shape)): crc32c(data)}
     for parts in shards.values():  # Every device-to-host copy starts before the first is waited for.
-        for data in parts.values():
+        for data, _ in parts.values():
             data.copy_to_host_async()
-    host = {name: {key: np.asarray(data) for key, data in parts.items()} for name, parts in shards.items()}
+    # A part of a shard is a view of its host copy (on CPU, of the device buffer itself).
+    host = {
+        name: {key: np.asarray(data)[within] for key, (data, within) in parts.items()}
+        for name, parts in shards.items()
+    }
     items = {name: crc32c(data) for name, data in own_files.items()}
     if primary:
         items |= {item: crc32c(canonical_json(value)) for item, value in orbax_json.items()}
@@ -486,42 +500,101 @@ def check_file(name: str, data: bytes, saved: Mapping[str, int]) -> None:
 # --- checking the restored arrays --------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Findings:
+    """What checking the restored leaves found in one process.
+
+    Attributes:
+      damaged: one line per region, of those this process holds whole, whose bytes differ from
+        their checksum.
+      partial: for each region no process holds whole (by its `regions.describe`), the saved
+        checksum, this process's partial checksum of it (its parts, zeros elsewhere) and the
+        region's size in bytes; `combine` checks them once every process's are gathered.
+      unchecked: the regions no process holds whole of a step of jaxstrategy 0.1, whose
+        checksums cannot be put together from parts.
+    """
+
+    damaged: list[str] = dataclasses.field(default_factory=list)
+    partial: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    unchecked: list[str] = dataclasses.field(default_factory=list)
+
+
 def mismatches(
     tree: PyTree, saved: Mapping[str, Mapping[regions.Region, int]], algorithm: str = ALGORITHM
-) -> tuple[list[str], list[str]]:
+) -> Findings:
     """Check the leaves of `tree` (as orbax restored them) against their `saved` regions.
 
-    Returns:
-      One line per region, of those this process holds whole, whose bytes differ from their
-      checksum; and the names of the regions no process of the job holds whole, left unchecked.
+    A region this process holds whole it checks alone. Of a region split between processes, each
+    process holding a part (the lowest of those holding each distinct shard) sums a buffer of the
+    region's size holding its parts and zeros elsewhere: CRC32C is affine in the bytes summed, so
+    the XOR of those sums, corrected for the zeros, is the region's (`combine`).
     """
     checksum = crc32c if algorithm == ALGORITHM else _former_checksum
     label = "crc32c" if algorithm == ALGORITHM else "checksum"
+    me = jax.process_index()
     plans = []
-    unchecked = []
+    findings = Findings()
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = stored_leaves.path_string(path)
         if name not in saved:
             continue
         parts = regions.local_parts(leaf)
+        layout = None
         for region, value in saved[name].items():
             held = regions.pieces(region, parts)
             if held is not None:
-                plans.append((name, leaf.shape, leaf.dtype, region, value, held))
-            elif not regions.held_by_another_process(leaf, region):
-                unchecked.append(regions.describe(name, region, leaf.shape))
-    for *_, held in plans:  # Every device-to-host copy starts before the first is waited for.
+                plans.append((name, leaf.shape, leaf.dtype, region, value, held, False))
+                continue
+            layout = regions.process_layout(leaf) if layout is None else layout
+            owners = None if layout is None else regions.split_parts(layout, region)
+            if owners is None:
+                continue  # Another process holds it whole, and checks it.
+            if algorithm != ALGORITHM:
+                findings.unchecked.append(regions.describe(name, region, leaf.shape))
+                continue
+            mine = [(part, parts[part]) for part, owner in owners.items() if owner == me]
+            if mine:
+                plans.append((name, leaf.shape, leaf.dtype, region, value, mine, True))
+    for *_, held, _ in plans:  # Every device-to-host copy starts before the first is waited for.
         for _, data in held:
             if isinstance(data, jax.Array):
                 data.copy_to_host_async()
-    damaged = []
-    for name, shape, dtype, region, value, held in plans:
+    for name, shape, dtype, region, value, held, split in plans:
+        where = regions.describe(name, region, shape)
+        if split:
+            buffer = regions.with_zeros(region, dtype, held)
+            findings.partial[where] = (value, crc32c(buffer), buffer.nbytes)
+            continue
         found = checksum(regions.values(region, dtype, held))
         if found != value:
+            findings.damaged.append(f"{where}: {label} {found:#010x}, saved {value:#010x}")
+    return findings
+
+
+def combine(partial: Mapping[int, Mapping[str, tuple[int, int, int]]]) -> list[str]:
+    """Check the regions split between processes from every process's partial checksums of them
+    (`Findings.partial`, by process index): one line per region whose bytes differ.
+
+    For buffers of one length, crc32c(a ^ b) == crc32c(a) ^ crc32c(b) ^ crc32c(zeros): the parts
+    partition the region, so the XOR of the k buffers is the region, and its checksum the XOR of
+    their sums, with crc32c(zeros) once more where k is even.
+    """
+    by_region: dict[str, list[tuple[int, int, int, int]]] = {}
+    for process, sums_of_process in sorted(partial.items()):
+        for where, (value, crc, size) in sums_of_process.items():
+            by_region.setdefault(where, []).append((process, value, crc, size))
+    damaged = []
+    for where, sums in by_region.items():
+        (_, value, _, size), processes = sums[0], [process for process, *_ in sums]
+        found = functools.reduce(operator.xor, (crc for _, _, crc, _ in sums))
+        if len(sums) % 2 == 0:
+            found ^= crc32c(bytes(size))
+        if found != value:
+            held = ", ".join(map(str, processes))
             damaged.append(
-                f"{regions.describe(name, region, shape)}: {label} {found:#010x}, saved {value:#010x}"
+                f"{where}: crc32c {found:#010x}, saved {value:#010x} (split over processes {held})"
             )
-    return damaged, unchecked
+    return damaged
 
 
 def _crc(value: Any) -> int:

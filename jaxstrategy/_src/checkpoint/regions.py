@@ -133,16 +133,41 @@ def _slices(region: Region, within: Region) -> tuple[slice, ...]:
     )
 
 
-def held_by_another_process(leaf: Any, region: Region) -> bool:
-    """Whether some process of the job holds `region` of `leaf` whole in its local shards.
-
-    Asked of the regions this process does not hold: those another process holds, that process
-    checks.
-    """
+def process_layout(leaf: Any) -> dict[int, list[Region]] | None:
+    """The regions of the shards of `leaf` each process holds, by process index; None for a leaf
+    this process holds all of (a host array, or a fully addressable `jax.Array`)."""
     if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
-        return False
+        return None
     indices: Mapping[jax.Device, tuple[slice, ...]] = leaf.sharding.devices_indices_map(leaf.shape)
-    by_process: dict[int, list[Region]] = {}
+    layout: dict[int, list[Region]] = {}
     for device, index in indices.items():
-        by_process.setdefault(device.process_index, []).append(region_of(index, leaf.shape))
-    return any(covered(region, parts) for parts in by_process.values())
+        layout.setdefault(device.process_index, []).append(region_of(index, leaf.shape))
+    return layout
+
+
+def split_parts(layout: Mapping[int, list[Region]], region: Region) -> dict[Region, int] | None:
+    """Who holds which part of `region`, by a leaf's `process_layout`, where no process holds it
+    whole: the distinct shard regions that hold some of it, each with the lowest process holding
+    it; None when some process holds `region` whole (that process checks it).
+
+    Every process gets the same answer, from the leaf's global sharding.
+    """
+    if any(covered(region, parts) for parts in layout.values()):
+        return None
+    owners: dict[Region, int] = {}
+    for process, parts in sorted(layout.items()):
+        for part in parts:
+            if intersection(region, part) is not None:
+                owners.setdefault(part, process)
+    return owners
+
+
+def with_zeros(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
+    """A buffer of `region`'s size holding the values of the pieces `held` where they are, and zero
+    bytes elsewhere."""
+    buffer = np.zeros([stop - start for start, stop in region], dtype)
+    for part, data in held:
+        both = intersection(region, part)
+        assert both is not None, "split_parts() gives only parts that hold some of the region"
+        buffer[_slices(both, region)] = np.asarray(data)[_slices(both, part)]
+    return buffer

@@ -42,6 +42,9 @@ DEFAULT_ITEM_NAME_FALLBACK = "default"
 # The coroutine that reads one array's part and puts it on its device.
 READ_COROUTINE_PATHS = ("orbax.checkpoint._src.serialization.serialization:_read_array_index_and_device_put",)
 READ_COROUTINE_FALLBACK = "_read_array_index_and_device_put"
+# What picks the parts of a `jax.Array` a process writes (`written_parts`). In `replica_slices`
+# from 0.11 on.
+REPLICA_SLICES_PATHS = ("orbax.checkpoint._src.serialization.replica_slices:get_replica_slices",)
 
 
 def lookup(paths: tuple[str, ...]) -> tuple[str, Any] | None:
@@ -80,6 +83,48 @@ def _constants() -> tuple[str, str, str, str]:
 TMP_DIR_SUFFIX, PYTREE_METADATA_FILE, DEFAULT_ITEM_NAME, READ_COROUTINE = _constants()
 # What orbax names the temporary directory of step N.
 UNFINISHED_STEP = re.compile(rf"(0|[1-9][0-9]*){re.escape(TMP_DIR_SUFFIX)}.*")
+
+
+def written_parts(array: Any) -> list[tuple[tuple[slice, ...], Any, tuple[slice, ...]]]:
+    """The parts of `array` orbax has this process write, each as its index in `array`, the local
+    shard's data (a single-device array) holding it, and where in that shard it lies.
+
+    Orbax's registered `jax.Array` handler saves replica-parallel by default (off where
+    `JAX_PLATFORMS` names a GPU): each of a shard's R copies writes 1/R of it, split along the
+    shard's first dimension that R divides, so in a job of several processes a process also
+    writes parts of shards whose `replica_id` is not 0. This asks orbax's own function, with the
+    handler's options (private attributes, read with their defaults), which parts those are.
+    Where the function cannot be found (an orbax that moved it), each local shard of replica 0
+    whole, as orbax saves without replica-parallel.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    replica_id = getattr(handler, "_replica_id", 0)
+    found = lookup(REPLICA_SLICES_PATHS)
+    whole = tuple(slice(None) for _ in array.shape)
+    if found is None:
+        return [
+            (s.index, s.data, whole) for s in array.addressable_shards if s.replica_id == (replica_id or 0)
+        ]
+    parallel = bool(getattr(handler, "_use_replica_parallel", False)) and replica_id is not None
+    chosen = found[1](
+        array,
+        replica_id,
+        parallel,
+        getattr(handler, "_min_slice_bytes_for_replica_parallel", None),
+        getattr(handler, "_max_replicas_for_replica_parallel", None),
+    )
+    parts = []
+    for part in chosen.replica_slices:
+        within = whole
+        if part.slice_args is not None:
+            axis = part.slice_args.axis
+            cut = slice(part.slice_args.start_index, part.slice_args.limit_index)
+            within = (*whole[:axis], cut, *whole[axis + 1 :])
+        parts.append((part.index, part.unsliced_data, within))
+    return parts
 
 
 def logger() -> logging.Logger:
