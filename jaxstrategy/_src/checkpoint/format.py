@@ -75,7 +75,8 @@ class CorruptCheckpointError(JaxStrategyError, ValueError):
 
 
 class CheckpointMismatchError(JaxStrategyError, ValueError):
-    """A `target` tree differs from the checkpoint in structure, shapes or dtypes."""
+    """A `target` tree differs from the checkpoint in structure, shapes or dtypes; or the job
+    restoring iterator positions has another number of processes than the one that saved them."""
 
 
 def is_complete(step_directory: Path) -> bool:

@@ -10,15 +10,19 @@ CRC32C of its file's exact bytes (`checksums.py`), which restoring checks before
 
 Restoring with a target that holds iterators where the checkpoint has positions sets each
 iterator to its position (`set_state`), in place, and leaves it in the restored tree; without a
-target, the restored tree holds the saved states (dicts) there. A checkpoint saved by another
-number of processes restores its positions only where they were all the same (every process
-reading the same source, as `experimental_distribute_dataset` has them).
+target, the restored tree holds the saved states (dicts) there. Positions restore only in a job
+of as many processes as saved them: a job of another size splits its input otherwise (another
+number of input pipelines, each process another share of each batch), so even positions that
+were the same on every process would resume on other batches: with a target holding iterators,
+that is a `CheckpointMismatchError` naming both counts; without a target, the arrays restore and
+the positions' places hold None, with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,17 +35,22 @@ from jaxstrategy._src.checkpoint.format import (
     ITERATOR_STATES_HANDLER_TYPESTR,
     ITERATORS_ITEM,
     PROCESS_FILE,
+    CheckpointMismatchError,
     answer_to_former_names,
     process_file,
 )
 from jaxstrategy._src.checkpoint.placement import Placement
-from jaxstrategy._src.core.errors import bullet_list
+from jaxstrategy._src.core.errors import bullet_list, caller_stacklevel
 from jaxstrategy._src.core.types import PyTree
 from jaxstrategy._src.input.datasets import DistributedIterator
 
 
 def _own_file_name() -> str:
     return process_file(jax.process_index(), jax.process_count())
+
+
+class OtherProcessCountError(ValueError):
+    """Iterator positions saved by a job of another number of processes than this one."""
 
 
 class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
@@ -59,34 +68,34 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
         (Path(directory) / _own_file_name()).write_bytes(args.encoded())
 
     def restore(self, directory: Any, args: IteratorStatesRestore | None = None) -> dict[str, Any]:
-        """This process's positions, or those of a job of another size where all were the same.
+        """This process's positions, from a job of as many processes.
 
-        With `args.checksums` (by file name), each file read is checked against its checksum
-        before it is parsed: a ValueError names a file that differs.
+        With `args.checksums` (by file name), the file is checked against its checksum before
+        it is parsed: a ValueError names a file that differs.
+
+        Raises:
+          OtherProcessCountError: the positions were saved by a job of another number of
+            processes (the message names both counts).
+          ValueError: the file differs from its checksum.
         """
         saved = None if args is None else args.checksums
         directory = Path(directory)
         own = directory / _own_file_name()
-        paths = (
-            [own]
-            if own.is_file()
-            else sorted(path for path in directory.iterdir() if PROCESS_FILE.fullmatch(path.name))
-        )
-        if not paths:
-            raise FileNotFoundError(f"{directory} holds no iterator positions.")
-        contents = set()
-        for path in paths:
-            data = path.read_bytes()
-            if saved is not None:
-                checksums.check_file(path.name, data, saved)
-            contents.add(data)
-        if len(contents) > 1:
-            raise ValueError(
-                f"the iterator positions were saved by {len(paths)} processes, each with its own, "
-                f"and this job has {jax.process_count()}: restore them in a job of as many processes "
-                "(or restore without the iterators in the target)."
+        if not own.is_file():
+            counts = sorted({int(m[2]) for p in directory.iterdir() if (m := PROCESS_FILE.fullmatch(p.name))})
+            if not counts:
+                raise FileNotFoundError(f"{directory} holds no iterator positions.")
+            saved_by = " or ".join(str(count) for count in counts)
+            raise OtherProcessCountError(
+                f"the iterator positions were saved by a job of {saved_by} processes, and this job "
+                f"has {jax.process_count()}: a position is that of its process's input pipeline, "
+                "and a job of another size splits the input otherwise, so it would resume on other "
+                f"batches. Restore them in a job of {saved_by} processes"
             )
-        return dict(json.loads(contents.pop()))
+        data = own.read_bytes()
+        if saved is not None:
+            checksums.check_file(own.name, data, saved)
+        return dict(json.loads(data))
 
 
 @ocp.args.register_with_handler(IteratorStatesHandler, for_save=True)
@@ -190,6 +199,18 @@ def restoring_positions(
                 args = ocp.args.Composite(**{ITERATORS_ITEM: IteratorStatesRestore(saved_checksums)})
                 restored = manager.restore(step, args=args)
                 states = dict(restored[ITERATORS_ITEM])
+            except OtherProcessCountError as error:
+                if target is not None:
+                    raise CheckpointMismatchError(
+                        f"Cannot restore the iterator positions of the checkpoint at {where}: {error}; "
+                        "or, to restore the arrays alone (onto any job), restore without a target: "
+                        "the iterators' places then hold None."
+                    ) from None
+                warnings.warn(
+                    f"The iterator positions of the checkpoint at {where} are not restored: {error}. "
+                    "Their places in the restored tree hold None.",
+                    stacklevel=caller_stacklevel(),
+                )
             except Exception as error:
                 raise corrupt(
                     f"Cannot read the iterator positions of the checkpoint at {where}: {error}"
