@@ -27,6 +27,16 @@ def count_compiles() -> collections.Counter[str]:
     return compiles
 
 
+def state_bytes_per_device(tree: Any) -> int:
+    """The most bytes of `tree`'s arrays that any one device of this process holds, from their
+    addressable shards."""
+    per_device: collections.Counter[Any] = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    return max(per_device.values())
+
+
 # A timed loop: given a number of calls, make them and return the seconds per call.
 Loop = Callable[[int], float]
 
