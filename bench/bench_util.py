@@ -27,22 +27,31 @@ def count_compiles() -> collections.Counter[str]:
     return compiles
 
 
-def bytes_read() -> int:
-    """The bytes this process has read so far: `rchar` of `/proc/self/io`. Linux only.
+def bytes_read() -> int | None:
+    """The bytes this process has read so far: `rchar` of `/proc/self/io`; None where that file
+    does not exist (it is Linux's).
 
     `rchar` counts what `read(2)`, `pread(2)` and their kin returned, from the page cache or the
     disk alike (so a restore's bytes are counted whether or not the files were cached), and not
     what is read through `mmap`. Take it before and after a call: the difference is what the
     call read, plus whatever other threads of the process read meanwhile.
-
-    Raises:
-      OSError: there is no `/proc/self/io` (not Linux).
     """
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("rchar:"):
-                return int(line.split()[1])
-    raise OSError("/proc/self/io has no rchar line")
+    try:
+        with open("/proc/self/io") as io:
+            lines = io.read().splitlines()
+    except OSError:
+        return None
+    return next(int(line.split()[1]) for line in lines if line.startswith("rchar:"))
+
+
+def state_bytes_per_device(tree: Any) -> int:
+    """The most bytes of `tree`'s arrays that any one device of this process holds, from their
+    addressable shards."""
+    per_device: collections.Counter[Any] = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    return max(per_device.values())
 
 
 # A timed loop: given a number of calls, make them and return the seconds per call.

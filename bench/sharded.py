@@ -32,8 +32,32 @@ order that rotates from round to round; ratios are medians over rounds of the pe
 to docs/_static/sharded.png. It exits non-zero if a step was traced more than once or XLA
 compiled while timed.
 
+Then the job rows (`sharded_job.py`): `MultiWorkerShardedStrategy(num_replicas=R)` over a job of
+2 processes x 2 CPU devices on this machine (`run_local_workers`' environment: TF_CONFIG on
+127.0.0.1, gloo over TCP between the processes), for (R,S) = (2,2) (a replica in each process)
+and (1,4) (one replica over both), against `ShardedStrategy(num_replicas=R)` over 4 CPU devices
+of this one process, the same model (a smaller one with --quick) and batches. The reference runs
+in this process and the job in its two, in lockstep, never at once: 10 rounds (2 with --quick)
+rotate over the four cases as above, then 3 rounds (1) of checkpoints; every ratio is the median
+of the per-round ratios (job / one process).
+
+* state/device: per layout, what each job process's most loaded device holds (from its arrays'
+  addressable shards; each process reports its own), and the same in one process.
+* ms/step: an epoch of 5 batches (2 with --quick) through `run`, per step; the job's is the
+  slower process's.
+* save: `checkpoint.save(directory, state, step=0)`, which returns when the step is on disk.
+* restore: `checkpoint.restore(directory, strategy=..., target=state)` onto the layout (checksums
+  checked), until the arrays are ready; and, crossed, the other layout's checkpoint onto this one.
+* read: the bytes each process read during the restore, the delta of `rchar` in /proc/self/io
+  (skipped, with a line saying so, where there is none), against the step's bytes on disk: about
+  half each for (1,4), whose processes hold half the state each; all of it for (2,2), whose
+  processes hold a whole replica each.
+
+NCCL rows need a machine with two or more GPUs; without one a line says they are skipped.
+
     python bench/sharded.py            # the full benchmark (with keras: pip install -e '.[bench]')
     python bench/sharded.py --quick    # a smoke test: small layers, few steps, the plot to a temp dir
+    python bench/sharded.py --job-only # only the job rows
 """
 
 from __future__ import annotations
@@ -63,7 +87,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_util import count_compiles  # noqa: E402
+import sharded_job  # noqa: E402
+from bench_util import count_compiles, state_bytes_per_device  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -148,15 +173,6 @@ def plain_step(case: str) -> Callable[..., Any]:
         return optax.apply_updates(params, updates), opt_state
 
     return step
-
-
-def state_bytes_per_device(tree: Any) -> int:
-    """The most bytes of `tree`'s arrays that any one device holds, from their shards."""
-    per_device: collections.Counter[Any] = collections.Counter()
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return max(per_device.values())
 
 
 def strategy_case(
@@ -296,6 +312,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="rounds (default 15; 2 with --quick)")
     parser.add_argument("--steps", type=int, help="steps per epoch (default 5; 2 with --quick)")
     parser.add_argument("--plot", type=Path, help=f"where to draw the figure (default {PLOT})")
+    parser.add_argument("--job-only", action="store_true", help="only the 2-process job's rows")
+    parser.add_argument("--job-worker", type=Path, metavar="CONTROL_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     args.hidden, args.batch = sizes["hidden"], sizes["batch"]
@@ -308,8 +326,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.job_worker:
+        sharded_job.worker(args.job_worker, strategy_case, TRACES)
+        return
     if len(jax.devices()) < 4:
         sys.exit(f"FAIL: found {len(jax.devices())} devices; XLA_FLAGS must force 4 CPU devices.")
+    ok = args.job_only or one_process(args)
+    # After the one-process rows, whose states are freed by now.
+    ok = sharded_job.section(args.quick, strategy_case, TRACES) and ok
+    if not ok:
+        sys.exit("FAIL: a step was traced more than once, or XLA compiled while timed.")
+
+
+def one_process(args: argparse.Namespace) -> bool:
+    """The one-process rows; return True when no step was retraced and XLA compiled nothing
+    while timed."""
     devices = jax.devices()[:4]
     rng = np.random.default_rng(0)
     batches = [
@@ -346,8 +377,7 @@ def main() -> None:
     report(cases, args, has_keras)
     draw(cases, args)
     print(f"\ntraces: {traces}; XLA compiles while timed: {timed_compiles}")
-    if any(count != 1 for count in traces.values()) or timed_compiles:
-        sys.exit("FAIL: a step was traced more than once, or XLA compiled while timed.")
+    return all(count == 1 for count in traces.values()) and not timed_compiles
 
 
 def mib(size: float) -> str:

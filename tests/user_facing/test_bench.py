@@ -7,7 +7,8 @@ retrace, multi_worker starts jobs of one and of two processes and fails on any r
 of 2 and 4 processes that fail on any call to the coordinator per step for sources with a len(),
 nnx fails on any retrace or compile while timed, loss_checks checks that its checks catch a
 negative batch size and fails on any compile while timed, sharded forces four CPU devices, fails
-on any retrace or compile while timed and skips its Keras rows without keras.
+on any retrace or compile while timed (in its 2-process job too) and skips its Keras rows without
+keras.
 """
 
 from __future__ import annotations
