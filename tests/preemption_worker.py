@@ -28,6 +28,8 @@ import jax  # Importing starts nothing: MultiWorkerMirroredStrategy() must still
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec
 
 import jaxstrategy
 from jaxstrategy import checkpoint
@@ -65,6 +67,12 @@ def _elements(pipeline: int, count: int) -> list[tuple[Any, Any]]:
         )
         for _ in range(count)
     ]
+
+
+def _rows_held(leaf: jax.Array) -> int:
+    """How many of a `(NUM_FEATURES, 1)` leaf's rows this process's devices hold."""
+    rows = range(NUM_FEATURES)
+    return len({row for shard in leaf.addressable_shards for row in rows[shard.index[0]]})
 
 
 def _grain_epochs(examples: list[tuple[Any, Any]], batch_size: int, epochs: int) -> Any:
@@ -147,6 +155,7 @@ def train(
     stateful: bool,
     kill_at: int | None = None,
     report: Callable[[int, float], None] = lambda step, loss: None,
+    report_params: Callable[[Any], None] = lambda params: None,
     exit_code: int | None = 42,
     shuffle: str | None = None,
     kill_now: bool = False,
@@ -166,8 +175,10 @@ def train(
             _grain_epochs(list(zip(x, y, strict=True)), global_batch, epochs)
         )
     elif num_pipelines > 1 or stateful:
+        contexts = []
 
         def dataset_fn(context: jaxstrategy.InputContext) -> Any:
+            contexts.append(context)
             elements = _elements(context.input_pipeline_id, ELEMENTS_PER_PIPELINE)
             return (
                 elements if num_pipelines > 1 and context.input_pipeline_id == 0 else EpochShuffled(elements)
@@ -180,14 +191,15 @@ def train(
         batches = [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(0, len(x), global_batch)]
         source = batches if shuffle is None else Shuffled(batches, counter=shuffle == "counter")
         dataset = strategy.experimental_distribute_dataset(source)
-    # Each step takes one element per replica of this process (the list source: one batch).
-    local_replicas = len(strategy.extended.worker_devices)
     if one_pass:
         steps_per_epoch = len(x) // global_batch
     elif dataset.cardinality >= 0:
         steps_per_epoch = len(dataset)
     else:
-        steps_per_epoch = ELEMENTS_PER_PIPELINE // local_replicas
+        # Each step takes one element per replica that this pipeline feeds: a process's replicas,
+        # or one replica of a sharded job that spans processes (which then share the pipeline).
+        (context,) = contexts
+        steps_per_epoch = ELEMENTS_PER_PIPELINE * context.num_input_pipelines // context.num_replicas_in_sync
 
     params = strategy.init(init_params, jax.random.key(0))
     opt_state = strategy.init(OPTIMIZER.init, params)
@@ -203,6 +215,7 @@ def train(
     params, opt_state = restored["params"], restored["opt_state"]
     if handler.step:
         print(f"resumed at step {handler.step}: {iterator.get_state()}", flush=True)  # type: ignore[attr-defined]
+    print(f"holds {_rows_held(params['w'])} and {_rows_held(opt_state[0].trace['w'])} rows of w", flush=True)
 
     def saved() -> Any:
         return {"params": params, "opt_state": opt_state, "data": iterator}
@@ -220,6 +233,7 @@ def train(
             elif step == kill_at:
                 # From another thread, as a scheduler's signal arrives: whenever it does.
                 threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        report_params(params)  # Trained to the end (a stop exits from the loop).
     finally:
         checkpointer.close()
     return handler
@@ -228,7 +242,12 @@ def train(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
-    parser.add_argument("--strategy", choices=["one-device", "mirrored", "multi-worker"], required=True)
+    parser.add_argument(
+        "--strategy",
+        choices=["one-device", "mirrored", "multi-worker", "multi-worker-sharded"],
+        required=True,
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="multi-worker-sharded: num_replicas")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--kill-at", type=int, help="send SIGTERM to this process after this step")
@@ -239,6 +258,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.strategy == "multi-worker":
         strategy: Any = jaxstrategy.MultiWorkerMirroredStrategy()  # First: it joins the job.
+    elif args.strategy == "multi-worker-sharded":
+        # Every leaf split that S divides (w over its rows); b, which no S divides, replicated on
+        # purpose. With one replica over the job, each process holds half of w and its momentum.
+        strategy = jaxstrategy.MultiWorkerShardedStrategy(
+            num_replicas=args.replicas, min_shard_bytes=0, layout=[("b", PartitionSpec())]
+        )
     elif args.strategy == "mirrored":
         strategy = jaxstrategy.MirroredStrategy()
     else:
@@ -248,6 +273,12 @@ def main() -> None:
     def report(step: int, loss: float) -> None:
         print(f"loss {step} {loss.hex()}", flush=True)
 
+    def report_params(params: Any) -> None:
+        # Each process holds only its devices' parts of a leaf split over the job: gather them.
+        gathered = multihost_utils.process_allgather(params, tiled=True)
+        for name, leaf in sorted(gathered.items()):
+            print(f"param {name} {[float(x).hex() for x in np.asarray(leaf).flat]}", flush=True)
+
     train(
         strategy,
         args.directory,
@@ -255,6 +286,7 @@ def main() -> None:
         stateful=args.stateful,
         kill_at=kill_at,
         report=report,
+        report_params=report_params,
         shuffle=args.shuffle,
         kill_now=args.kill_now,
         source=args.source,

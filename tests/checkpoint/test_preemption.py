@@ -4,7 +4,7 @@ exactly: the losses of the two runs, concatenated, equal an uninterrupted run's 
 The proof runs on one device, on MirroredStrategy over four devices, on ShardedStrategy of two
 replicas of two devices (in this process, the restart being a new handler, dataset and
 iterator), and as a job of two processes on 127.0.0.1 (three real jobs: uninterrupted, killed,
-restarted). The step at which SIGTERM comes is random; its seed
+restarted), mirrored and sharded (one replica over both processes, each saving its half). The step at which SIGTERM comes is random; its seed
 is in every failure message (set JAXSTRATEGY_PREEMPTION_SEED to replay one).
 """
 
@@ -105,9 +105,34 @@ def _job_losses(results):
     return {int(step): loss for step, loss in lines}
 
 
-def _run_job(directory, *extra):
+def _job_params(results):
+    """Each process's final parameters, gathered whole, as it printed them (floats in hex)."""
+    return [re.findall(r"^param .*$", result.stdout, re.MULTILINE) for result in results]
+
+
+# The jobs of two processes of two devices each: the worker's arguments, how many of w's 8 rows
+# (and of its momentum's) each process holds, and each process's source state once resumed.
+JOBS = {
+    # Four replicas, each process feeding its two: process 0 reads a list (restored by skipping),
+    # process 1 a source with its own state (restored from it).
+    "mirrored": (
+        ["--strategy", "multi-worker"],
+        8,
+        ["'source_states': [None]", "'source_states': [{'bytes': "],
+    ),
+    # One replica over the four devices of both processes: each holds half of w and of its
+    # momentum, so each saves, and restores, its own half; both read the replica's one pipeline.
+    "sharded R=1": (
+        ["--strategy", "multi-worker-sharded", "--replicas", "1"],
+        4,
+        ["'source_states': [None]", "'source_states': [None]"],
+    ),
+}
+
+
+def _run_job(directory, job, *extra):
     return run_local_workers(
-        [str(WORKER), str(directory), "--strategy", "multi-worker", *extra],
+        [str(WORKER), str(directory), *JOBS[job][0], *extra],
         num_workers=2,
         devices_per_worker=2,
         timeout=TIMEOUT_S,
@@ -115,24 +140,36 @@ def _run_job(directory, *extra):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_job(tmp_path_factory):
-    """The losses of the two-process job run without a stop."""
-    baseline = _run_job(tmp_path_factory.mktemp("baseline"))
-    assert [r.returncode for r in baseline] == [0, 0], describe_results(baseline)
-    return _job_losses(baseline)
+def uninterrupted_jobs(tmp_path_factory):
+    """A job's losses and final parameters when it runs without a stop, run once per module."""
+    runs = {}
+
+    def uninterrupted(job):
+        if job not in runs:
+            baseline = _run_job(tmp_path_factory.mktemp("baseline"), job)
+            assert [r.returncode for r in baseline] == [0, 0], describe_results(baseline)
+            runs[job] = _job_losses(baseline), _job_params(baseline)
+        return runs[job]
+
+    return uninterrupted
 
 
 @pytest.mark.slow  # Three jobs of two processes.
-@pytest.mark.parametrize("killed", [1, -1], ids=["SIGTERM to process 1", "SIGTERM to both"])
+@pytest.mark.parametrize(
+    ("job", "killed"),
+    [("mirrored", 1), ("mirrored", -1), ("sharded R=1", 1)],
+    ids=["mirrored, SIGTERM to process 1", "mirrored, SIGTERM to both", "sharded R=1, SIGTERM to process 1"],
+)
 def test_two_processes_stop_at_one_step_save_their_own_positions_and_resume_bit_for_bit(
-    tmp_path, uninterrupted_job, killed
+    tmp_path, uninterrupted_jobs, job, killed
 ):
-    expected = uninterrupted_job
+    expected, expected_params = uninterrupted_jobs(job)
+    _, rows, source_states = JOBS[job]
     total = len(expected)
     kill_at = random.Random(SEED + killed).randrange(total - 2)
-    context = f"seed {SEED}, SIGTERM to process {killed} after step {kill_at} of {total}"
+    context = f"{job}: seed {SEED}, SIGTERM to process {killed} after step {kill_at} of {total}"
 
-    stopped = _run_job(tmp_path, "--kill-at", str(kill_at), "--kill-process", str(killed))
+    stopped = _run_job(tmp_path, job, "--kill-at", str(kill_at), "--kill-process", str(killed))
     details = f"{context}\n{describe_results(stopped)}"
     assert [r.returncode for r in stopped] == [42, 42], details
     saved = checkpoint.Checkpointer(tmp_path).latest_step()
@@ -142,21 +179,21 @@ def test_two_processes_stop_at_one_step_save_their_own_positions_and_resume_bit_
             f"preempted by another process's signal (process 0 of 2): saved step {saved}" in stopped[0].stderr
         )
     assert f"preempted by SIGTERM (process 1 of 2): saved step {saved}" in stopped[1].stderr, details
-    # Each process saved its own position: process 0 reads a list (restored by skipping), process
-    # 1 a source with its own state (restored from it).
+    # Each process saved its own position.
     positions = sorted(p.name for p in (tmp_path / str(saved) / "iterators").glob("*.json"))
     assert positions == ["process_0-of-2.json", "process_1-of-2.json"], details
 
-    resumed = _run_job(tmp_path)
+    resumed = _run_job(tmp_path, job)
     details = f"{context}\n{describe_results(resumed)}"
     assert [r.returncode for r in resumed] == [0, 0], details
-    assert (
-        f"resumed at step {saved}: " in resumed[0].stdout and "'source_states': [None]" in resumed[0].stdout
-    )
-    assert "'source_states': [{'bytes': " in resumed[1].stdout, details
+    for result, states in zip(resumed, source_states, strict=True):
+        assert f"resumed at step {saved}: " in result.stdout and states in result.stdout, details
+        # The restored parameters and momentum are laid out as saved: split, where they were.
+        assert f"holds {rows} and {rows} rows of w" in result.stdout, details
     first, second = _job_losses(stopped), _job_losses(resumed)
     assert sorted(first) == list(range(saved)) and sorted(second) == list(range(saved, total)), details
     assert {**first, **second} == expected, details  # Bit for bit.
+    assert _job_params(resumed) == expected_params and expected_params[0], details
 
 
 # --- a shuffled source, in processes of their own ------------------------------------------
