@@ -60,6 +60,8 @@ _MODULES_SHARING_A_JOB = (
     "tests/user_facing/test_demo.py",
     "tests/strategies/test_multi_worker.py",
     "tests/checkpoint/test_preemption.py",
+    "tests/checkpoint/test_checkpoints_across_processes.py",
+    "tests/strategies/test_sharded_job.py",
 )
 
 

@@ -1,4 +1,4 @@
-"""`MultiWorkerShardedStrategy` as a real job of two processes of two CPU devices each, on 127.0.0.1.
+"""`MultiWorkerShardedStrategy` with Flax NNX, in a real job of two processes of two CPU devices each.
 
 A Flax NNX model whose kernels are annotated with logical axis names (`nnx.with_partitioning`),
 mapped onto the replica's axes by `nnx.logical_axis_rules`, trains in place through `run` (its
