@@ -579,10 +579,15 @@ class StrategyConformance:
             assert jaxstrategy.has_strategy() and jaxstrategy.in_cross_replica_context()
             assert jaxstrategy.get_replica_context() is None
             created = jnp.zeros(3)
+        # The first device of this process's first replica that this process holds.
         first = local_replica_ids(strategy_under_test)[0]
-        assert created.devices() == {
-            strategy_under_test.devices[first * devices_per_replica(strategy_under_test)]
-        }
+        s = devices_per_replica(strategy_under_test)
+        here = [
+            d
+            for d in strategy_under_test.devices[first * s : (first + 1) * s]
+            if d.process_index == jax.process_index()
+        ]
+        assert created.devices() == {here[0]}
         assert not jaxstrategy.has_strategy()
 
     def test_one_scope_object_can_be_entered_again_and_nested(self, strategy_under_test):

@@ -4,29 +4,28 @@
 
 Two processes of two CPU devices each. Every scenario runs in both, in the same order, and what a
 process saw goes to OUTPUT_DIR/process-<index>.json; the checkpoints stay in OUTPUT_DIR for the
-test to inspect and restore in one process. The layouts are those of a ShardedStrategy spanning
-the job: 1x4 (one replica over all four devices, so each process holds half of each leaf) and 2x2
-(each process one whole replica, split over its two devices), made here by hand.
+test to inspect and restore in one process. The layouts are those of MultiWorkerShardedStrategy:
+1x4 (one replica over all four devices, so each process holds half of each leaf), 2x2 (each
+process one whole replica, split over its two devices) and 1x4 by columns, each leaf's rows (or
+columns) split by a layout rule; and MultiWorkerMirroredStrategy's, every leaf whole everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 import jaxstrategy
 from jaxstrategy import checkpoint
-from jaxstrategy._src.checkpoint import checkpointer, regions
-from jaxstrategy._src.checkpoint.placement import Placement
+from jaxstrategy._src.checkpoint import regions
 from jaxstrategy._src.cluster import coordination
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -50,30 +49,6 @@ def values() -> dict[str, np.ndarray]:
 def big_values() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {f"big{i}": rng.standard_normal(BIG_SHAPE, dtype=np.float32) for i in range(BIG_LEAVES)}
-
-
-def place(tree: dict[str, np.ndarray], sharding: Callable[[np.ndarray], jax.sharding.Sharding]) -> dict:
-    return {
-        name: jax.make_array_from_callback(value.shape, sharding(value), lambda index, v=value: v[index])
-        for name, value in tree.items()
-    }
-
-
-@contextlib.contextmanager
-def onto(layout: Callable[[Any], jax.sharding.Sharding], replicated: jax.sharding.Sharding) -> Iterator[None]:
-    """Restores inside put each leaf where `layout` says: what MultiWorkerShardedStrategy's
-    placement will do, which no strategy of this version does across processes."""
-    original = checkpointer.placement_of
-
-    def placement_of(strategy: Any) -> Placement:
-        del strategy
-        return Placement(replicated, lambda tree: jax.tree.map(layout, tree))
-
-    checkpointer.placement_of = placement_of
-    try:
-        yield
-    finally:
-        checkpointer.placement_of = original
 
 
 def local_regions(tree: dict[str, jax.Array]) -> dict[str, list[str]]:
@@ -106,39 +81,30 @@ def error_of(call: Callable[[], Any]) -> str | None:
 
 
 def main(output: Path) -> None:
-    strategy = jaxstrategy.MultiWorkerMirroredStrategy()
+    strategy = jaxstrategy.MultiWorkerMirroredStrategy()  # Every leaf whole on every device.
     me = jax.process_index()
-    devices = np.array(strategy.devices)
-    mesh14 = Mesh(devices.reshape(1, 4), ("replica", "shard"))
-    mesh22 = Mesh(devices.reshape(2, 2), ("replica", "shard"))
-    replicated = NamedSharding(mesh14, PartitionSpec())
 
-    def rows14(x: Any) -> jax.sharding.Sharding:
-        return NamedSharding(mesh14, PartitionSpec("shard")) if len(x.shape) else replicated
+    def sharded(replicas: int, rules: list[tuple[str, PartitionSpec]]) -> jaxstrategy.Strategy:
+        return jaxstrategy.MultiWorkerShardedStrategy(num_replicas=replicas, layout=rules, min_shard_bytes=0)
 
-    def rows22(x: Any) -> jax.sharding.Sharding:
-        return NamedSharding(mesh22, PartitionSpec("shard")) if len(x.shape) else replicated
-
-    def columns14(x: Any) -> jax.sharding.Sharding:
-        # Dimension 1 over all four devices where it divides (`w`), so that each saved region of
-        # rows is split between the processes; else held whole.
-        if len(x.shape) >= 2 and x.shape[1] % 4 == 0:
-            return NamedSharding(mesh14, PartitionSpec(None, "shard"))
-        return replicated
+    rows = [(".*", PartitionSpec("shard"))]
+    rows14, rows22 = sharded(1, rows), sharded(2, rows)
+    # `w`'s columns over all four devices, so that each saved region of rows is split between
+    # the processes.
+    columns14 = sharded(1, [("w", PartitionSpec(None, "shard")), ("m|v", PartitionSpec())])
 
     seen: dict[str, Any] = {"process": me}
     expected = values()
-    saved = place(expected, rows14)
+    saved = rows14.put(expected)
     seen["saved_1x4"] = local_regions(saved)
     checkpoint.save(output / "split", saved, step=0)
-    seen["saved_2x2"] = local_regions(place(expected, rows22))
-    checkpoint.save(output / "replicas", place(expected, rows22), step=0)
+    seen["saved_2x2"] = local_regions(rows22.put(expected))
+    checkpoint.save(output / "replicas", rows22.put(expected), step=0)
 
-    layouts = {"2x2": rows22, "replicated": lambda x: replicated, "columns": columns14}
+    layouts = {"2x2": rows22, "replicated": strategy, "columns": columns14}
     seen["restored"] = {}
     for name, layout in layouts.items():
-        with onto(layout, replicated):
-            restored = checkpoint.restore(output / "split")
+        restored = checkpoint.restore(output / "split", strategy=layout)
         seen["restored"][name] = {
             "equal": equal_locally(restored, expected),
             "regions": local_regions(restored),
@@ -148,7 +114,7 @@ def main(output: Path) -> None:
     # element of rows 48:64 (process 1's last device's) differs, with the checksums kept.
     damaged = {**expected, "w": expected["w"].copy()}
     damaged["w"][50, 7] += 1
-    checkpoint.save(output / "edited", place(damaged, rows14), step=0)
+    checkpoint.save(output / "edited", rows14.put(damaged), step=0)
     barrier("edited")
     if me == 0:
         shutil.copytree(output / "split", output / "damaged")
@@ -157,8 +123,9 @@ def main(output: Path) -> None:
     barrier("damaged")
     seen["damaged"] = {}
     for name, layout in {"1x4": rows14, **layouts}.items():
-        with onto(layout, replicated):
-            seen["damaged"][name] = error_of(lambda: checkpoint.restore(output / "damaged"))
+        seen["damaged"][name] = error_of(
+            lambda layout=layout: checkpoint.restore(output / "damaged", strategy=layout)
+        )
 
     # Positions that differ between the processes: each iterator has taken its own batches.
     batches = [np.full(2, i, np.float32) for i in range(8)]
@@ -174,14 +141,13 @@ def main(output: Path) -> None:
 
     # Bytes read restoring 32 MiB saved split over the four devices.
     big = big_values()
-    checkpoint.save(output / "big", place(big, rows14), step=0)
+    checkpoint.save(output / "big", rows14.put(big), step=0)
     seen["bytes_read"] = {}
-    for name, layout in {"1x4": rows14, "replicated": lambda x: replicated}.items():
-        with onto(layout, replicated):
-            barrier(f"read {name}")
-            before = bytes_read()
-            restored = checkpoint.restore(output / "big")
-            seen["bytes_read"][name] = bytes_read() - before
+    for name, layout in {"1x4": rows14, "replicated": strategy}.items():
+        barrier(f"read {name}")
+        before = bytes_read()
+        restored = checkpoint.restore(output / "big", strategy=layout)
+        seen["bytes_read"][name] = bytes_read() - before
         assert all(equal_locally(restored, big).values())
     state = output / "big" / "0" / "state"
     seen["big_stored_bytes"] = sum(path.stat().st_size for path in state.rglob("*") if path.is_file())

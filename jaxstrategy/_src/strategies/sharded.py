@@ -67,7 +67,14 @@ class ShardedStrategy(MeshStrategy):
     part of it, so that the rule for a parameter also lays out its optimizer state; then, for
     outputs of `run` and `init`, the layout of the input they replace; else the default: the
     largest dimension that S divides, for leaves of at least `min_shard_bytes`. Specs name the
-    axis `'shard'` only.
+    axes `'shard'` and `'model'`.
+
+    Tensor parallelism: with `model_parallel=M`, each replica's S x M devices form a mesh
+    `('shard', 'model')`, M innermost. Only what a rule or an annotation names is split over
+    `'model'` (in a Megatron-style MLP, the first kernel's output dimension and the second's
+    input dimension), and `jaxstrategy.with_sharding_constraint` lays activations out over it
+    inside the step. Without a `'model'` axis a spec's `'model'` entries are dropped, so one
+    layout serves both. For a job of several processes, see `MultiWorkerShardedStrategy`.
 
     Create big models with `init`, which compiles the initializer so that every leaf is made
     already split; `put` splits a tree that is on the host.
@@ -76,13 +83,17 @@ class ShardedStrategy(MeshStrategy):
       devices: the devices, in any form `MirroredStrategy` accepts; None means every local
         device. Their count must be a multiple of `num_replicas`.
       num_replicas: R, how many replicas (groups of devices).
-      layout: `(regex, spec)` rules, such as `[('.*/kernel', PartitionSpec(None, 'shard'))]`.
+      model_parallel: M, how many of each replica's devices split the layers that rules name
+        over `'model'`; it must divide the devices per replica. 1: no `'model'` axis.
+      layout: `(regex, spec)` rules, such as `[('.*/kernel', PartitionSpec(None, 'shard'))]`;
+        specs name `'shard'`, `'model'` or None per dimension.
       min_shard_bytes: leaves smaller than this are replicated by the default rule (256 KiB, as
         TensorFlow's `MinSizePartitioner`).
 
     Raises:
-      ValueError: `num_replicas` does not divide the number of devices; a layout rule is
-        malformed (see `LayoutRules`); the devices span several processes (not supported yet).
+      ValueError: `num_replicas` does not divide the number of devices, or `model_parallel`
+        a replica's; a layout rule is malformed (see `LayoutRules`); the devices span several
+        processes (use `MultiWorkerShardedStrategy`).
       InvalidDeviceError: as for `MirroredStrategy`.
 
     Example:
