@@ -115,7 +115,6 @@ class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
             num_replicas = _one_replica_per_host(devices, hosts)
         require_whole_processes(devices, num_replicas)
         self._lay_out(devices, num_replicas, model_parallel, layout, min_shard_bytes, _CALLER)
-        self._hosts = hosts
         self._watch_job()
 
     def __repr__(self) -> str:
