@@ -169,8 +169,16 @@ def test_a_layout_for_the_model_axis_serves_a_strategy_without_one(cpu_devices):
     without = ShardedStrategy(cpu_devices[:4], layout=MEGATRON, min_shard_bytes=0)
     params = _params()
     assert with_model.layout_of(params)["w1"].spec == P(None, "model")
-    assert without.layout_of(params)["w1"].spec == P(None, None)
     assert without.mesh.axis_names == ("replica", "shard")
+    # A rule that names 'model' alone decides nothing there: the default splits the leaf over
+    # 'shard' rather than leave it whole on every device.
+    rows = {row.path: row for row in without.describe_layout(params).rows}
+    assert rows["w1"].spec == P(None, "shard")
+    assert rows["w1"].reason == (
+        "default: largest dimension 4 divides (rule 'w1' names only 'model', an axis of 1 here)"
+    )
+    both = ShardedStrategy(cpu_devices[:2], layout=[("w1", P("shard", "model"))], min_shard_bytes=0)
+    assert both.layout_of(params)["w1"].spec == P("shard", None)  # 'shard' still splits it.
 
 
 def test_sizes_count_both_axes(cpu_devices):

@@ -22,7 +22,9 @@ decided, in this order, by:
 
 Nothing here is ever split over `'replica'`: each replica holds its whole model, split within.
 Without a `'model'` axis (M = 1) a spec's `'model'` entries are dropped, so that one layout
-serves a strategy with tensor parallelism and one without.
+serves a strategy with tensor parallelism and one without; a spec that names `'model'` alone
+then decides nothing, and the leaf is laid out by what comes after it (3, 4), as if nothing
+named it.
 """
 
 from __future__ import annotations
@@ -166,16 +168,24 @@ class LayoutRules:
         name = path_string(path)
         dtype = _as_dtype(dtype)
         who = caller or self._caller
-        if declared is not None:
-            spec, reason = declared
-            self._check_fits(spec, name, shape, reason, who)
-        elif (rule := self._matching_rule(path, name, who)) is not None:
-            spec, reason = rule.spec, f"rule {rule.source!r}"
-            self._check_fits(spec, name, shape, reason, who)
+        chosen = declared
+        if chosen is None and (rule := self._matching_rule(path, name, who)) is not None:
+            chosen = rule.spec, f"rule {rule.source!r}"
+        unused = None
+        if chosen is not None:
+            self._check_fits(*chosen, name, shape, who)
+            if self._names_only_a_missing_model_axis(chosen[0]):
+                # A tensor-parallel layout on a strategy without tensor parallelism: the leaf is
+                # laid out as if nothing named it (split over 'shard'), not replicated.
+                unused, chosen = chosen[1], None
+        if chosen is not None:
+            spec, reason = chosen
         elif follows is not None:
             spec, reason = follows[0], f"follows {follows[1]}"
         else:
             spec, reason = self._default(name, shape, dtype, who)
+        if unused is not None:
+            reason = f"{reason} ({unused} names only 'model', an axis of 1 here)"
         spec = self.on_mesh(spec)
         split = math.prod(self.axis_size(entry) for entry in spec)
         size = math.prod(shape) * dtype.itemsize
@@ -212,8 +222,12 @@ class LayoutRules:
             )
         return matching[0] if matching else None
 
+    def _names_only_a_missing_model_axis(self, spec: PartitionSpec) -> bool:
+        names = {n for entry in spec for n in _names(entry)}
+        return self.model == 1 and names == {MODEL_AXIS}
+
     def _check_fits(
-        self, spec: PartitionSpec, name: str, shape: tuple[int, ...], reason: str, caller: str
+        self, spec: PartitionSpec, reason: str, name: str, shape: tuple[int, ...], caller: str
     ) -> None:
         if len(spec) > len(shape):
             raise ValueError(
