@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,25 @@ def layouts(strategy: jaxstrategy.MultiWorkerShardedStrategy) -> dict[str, Any]:
     }
 
 
+def uneven_ends(strategy: jaxstrategy.MultiWorkerShardedStrategy) -> dict[str, Any]:
+    """Steps taken over pipelines that end at different steps (process 0's has one more batch),
+    on one replica split over both processes: both must stop at the first end, with a warning."""
+    count = 3 if jax.process_index() == 0 else 2
+    dataset = strategy.distribute_datasets_from_function(
+        lambda context: [np.ones((4, 2), np.float32)] * count
+    )
+    steps = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in dataset:
+            total = strategy.run(
+                lambda x: jaxstrategy.get_replica_context().all_reduce("sum", x.sum()), args=(batch,)
+            )
+            np.asarray(total.addressable_data(0))
+            steps += 1
+    return {"steps": steps, "warned": any("ended at step 2" in str(w.message) for w in caught)}
+
+
 def errors() -> dict[str, str]:
     found = {}
     for name, kwargs in {
@@ -136,6 +156,7 @@ def main(output_dir: Path) -> None:
     report["one_host_training"] = train(strategy)
     # Both processes feed the one replica: they share its input pipeline, so read the same rows.
     report["one_host_from_function_training"] = train(strategy, from_function=True)
+    report["one_host_uneven_ends"] = uneven_ends(strategy)
     # As if each process were on a host of its own: one replica per host, split within.
     real_hostname = socket.gethostname
     socket.gethostname = lambda: f"host-{jax.process_index()}"

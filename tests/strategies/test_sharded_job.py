@@ -255,6 +255,14 @@ def test_a_host_holds_a_replica_split_over_its_devices(job):
 
 
 @pytest.mark.slow
+def test_processes_of_one_replica_end_their_input_together(job):
+    # One replica over both processes holds every replica in each; their inputs must still agree
+    # on where they end, as processes holding different replicas do, or one would wait forever.
+    for report in job:
+        assert report["one_host_uneven_ends"] == {"steps": 2, "warned": True}
+
+
+@pytest.mark.slow
 def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
     for report in job:
         assert report["errors"]["three"].startswith(

@@ -160,7 +160,9 @@ class DistributedDataset:
         caller: str,
     ):
         on_device = bool(options.experimental_fetch_to_device)
-        if layout.is_multi_process and not on_device:
+        # Where this process holds only some replicas: with every replica (one split over the
+        # processes), its host batches are whole.
+        if len(layout.local_replica_ids) < layout.num_replicas and not on_device:
             raise NotImplementedError(
                 f"{caller}: InputOptions(experimental_fetch_to_device=False) is not supported across "
                 "processes: a process holds only its own replicas' parts, which make no whole batch "

@@ -48,6 +48,9 @@ class ReplicaLayout:
         some replicas belong to other processes, each process places only its own replicas'
         parts, and the processes' inputs end together (see `input/agreement.py`).
       input_timeout_s: then, how long a process's input waits for the others' at one step.
+      spans_processes: whether `sharding`'s devices belong to several processes. Also true
+        where this process holds (a part of) every replica: one replica of a
+        `MultiWorkerShardedStrategy` split over several processes.
     """
 
     sharding: jax.sharding.Sharding
@@ -55,6 +58,7 @@ class ReplicaLayout:
     stacked: bool = False
     local_replicas: range | None = None
     input_timeout_s: float = 3600.0
+    spans_processes: bool = False
 
     @property
     def local_replica_ids(self) -> range:
@@ -62,8 +66,12 @@ class ReplicaLayout:
 
     @property
     def is_multi_process(self) -> bool:
-        # Read per batch: from the replica ids, not by asking every device for its process.
-        return len(self.local_replica_ids) < self.num_replicas
+        # Read per batch: from the replica ids and a flag, not by asking every device for its
+        # process. Without the flag, a replica split over every process of the job (R = 1) would
+        # count as one process's: its batches placed by `jax.device_put`, whose multi-process
+        # check is a collective per batch, and no agreement between the processes on where the
+        # input ends.
+        return self.spans_processes or len(self.local_replica_ids) < self.num_replicas
 
 
 @dataclasses.dataclass(frozen=True)
