@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conformance import StrategyConformance
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxstrategy
@@ -224,3 +225,29 @@ def test_strategies_differing_in_model_parallel_differ(cpu_devices):
     one, two = (ShardedStrategy(cpu_devices[:4], model_parallel=m) for m in (1, 2))
     assert one != two and one == ShardedStrategy(cpu_devices[:4])
     assert "model_parallel=2" in repr(two)
+
+
+def _annotated_linear(names):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+    return nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))
+
+
+def test_an_nnx_model_annotated_for_the_model_axis_is_split_over_shard_without_one(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], num_replicas=2, min_shard_bytes=0)
+    with nnx.use_eager_sharding(False), nnx.logical_axis_rules([("embed", None), ("mlp", "model")]):
+        model = strategy.init(lambda: _annotated_linear(("embed", "mlp")))
+        (row,) = [row for row in strategy.describe_layout(model).rows if row.path.endswith("kernel")]
+    assert model.kernel[...].sharding.spec == P(None, "shard")
+    assert row.reason.endswith("(Flax Variable annotation names only 'model', an axis of 1 here)")
+
+
+def test_two_logical_names_on_one_axis_are_an_error_naming_the_variable(cpu_devices):
+    strategy = ShardedStrategy(cpu_devices[:4], model_parallel=2)
+    with nnx.use_eager_sharding(False), nnx.logical_axis_rules([("heads", "model"), ("mlp", "model")]):
+        model = _annotated_linear(("heads", "mlp"))
+        with pytest.raises(
+            ValueError,
+            match=r"ShardedStrategy.put\(\): the spec P\('model', 'model'\) of the Flax Variable "
+            r"'0/0/kernel' names 'model' more than once",
+        ):
+            strategy.put(model)

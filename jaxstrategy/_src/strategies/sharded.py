@@ -198,7 +198,8 @@ class ShardedStrategy(MeshStrategy):
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """Every device, replica by replica: replica i holds `devices[i*S:(i+1)*S]`."""
+        """Every device, replica by replica: replica i holds `devices[i*D:(i+1)*D]`, where D is
+        `devices_per_replica` (S x M)."""
         return self._devices
 
     @property

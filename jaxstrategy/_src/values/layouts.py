@@ -465,7 +465,8 @@ def declared_spec(variable: Any, path: str, caller: str) -> tuple[PartitionSpec,
             "nnx.logical_axis_rules([(" + repr(unknown[0]) + ", 'shard'), ...]): around the call, "
             "or annotate with 'shard', 'model' and None."
         )
-    return spec, "Flax Variable annotation"
+    # Two logical names mapped to one axis: an error naming the Variable, not JAX's.
+    return as_spec(spec, where=f"the Flax Variable {path!r}", caller=caller), "Flax Variable annotation"
 
 
 def follow_spec(
