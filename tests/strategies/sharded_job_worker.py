@@ -135,6 +135,19 @@ def uneven_ends(strategy: jaxstrategy.MultiWorkerShardedStrategy) -> dict[str, A
     return {"steps": steps, "warned": any("ended at step 2" in str(w.message) for w in caught)}
 
 
+def diverging_values(strategy: jaxstrategy.Strategy) -> str:
+    """Both processes hold the one replica: the values they compute for it must agree."""
+    same = strategy.experimental_distribute_values_from_function(lambda context: np.arange(4.0))
+    assert np.asarray(strategy.experimental_local_results(same)[0]).tolist() == [0.0, 1.0, 2.0, 3.0]
+    try:
+        strategy.experimental_distribute_values_from_function(
+            lambda context: np.full(4, float(jax.process_index()), np.float32)
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def errors() -> dict[str, str]:
     found = {}
     for name, kwargs in {
@@ -153,6 +166,7 @@ def main(output_dir: Path) -> None:
     # The default, in a job whose processes share one host: one replica over all 4 devices.
     strategy = jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=0)
     report: dict[str, Any] = {"one_host": layouts(strategy)}
+    report["diverging_values"] = diverging_values(strategy)
     report["one_host_training"] = train(strategy)
     # Both processes feed the one replica: they share its input pipeline, so read the same rows.
     report["one_host_from_function_training"] = train(strategy, from_function=True)

@@ -263,6 +263,20 @@ def test_processes_of_one_replica_end_their_input_together(job):
 
 
 @pytest.mark.slow
+def test_processes_sharing_a_replica_must_give_it_the_same_values(job):
+    # Each process holding a part of the one replica computes its component: were they to
+    # differ, its devices would hold different "copies", and reduce differ by process.
+    for report in job:
+        assert report["diverging_values"] == (
+            "MultiWorkerShardedStrategy.experimental_distribute_values_from_function(): value_fn's "
+            "results for replica 0 differ between the processes that share it (process 0; process 1 "
+            "gave different values), so its devices would hold different copies of one value. Every "
+            "process that holds a replica must compute the same result for it: seed random numbers "
+            "by the replica id (context.replica_id_in_sync_group), not by the process."
+        )
+
+
+@pytest.mark.slow
 def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
     for report in job:
         assert report["errors"]["three"].startswith(

@@ -220,18 +220,48 @@ def every_process_value(value: str, *, caller: str, timeout_s: float) -> dict[in
     return values
 
 
-def require_same_on_every_process(signature: str, *, what: str, caller: str, timeout_s: float) -> None:
-    """Raise a ValueError on every process unless all of them pass the same `signature`.
+def require_same_on_every_process(
+    signature: str,
+    *,
+    what: str,
+    caller: str,
+    timeout_s: float,
+    shared: dict[str, str] | None = None,
+) -> None:
+    """Raise a ValueError on every process unless all of them pass the same `signature`, and
+    those that pass a value under one key of `shared` (say, a replica they share) the same one.
 
     Raises:
-      ValueError: the signatures differ; the message lists each process's.
+      ValueError: the signatures differ, or two processes' values under one key of `shared`;
+        the message lists each process's.
       TimeoutError: some process did not make this call within `timeout_s`.
     """
-    signatures = every_process_value(signature, caller=caller, timeout_s=timeout_s)
+    posted = every_process_value(
+        json.dumps({"signature": signature, "shared": shared or {}}), caller=caller, timeout_s=timeout_s
+    )
+    found = {process: json.loads(value) for process, value in posted.items()}
+    signatures = {process: value["signature"] for process, value in found.items()}
     if len(set(signatures.values())) > 1:
         lines = "".join(f"\n  process {process}: {s}" for process, s in sorted(signatures.items()))
         raise ValueError(
             f"{caller}: {what} differ between processes in structure, shape or dtype, so they cannot "
             f"make one value over every replica (one program runs on all of them):{lines}\nMake every "
             "process's results the same shape and dtype."
+        )
+    by_key: dict[str, dict[str, list[int]]] = {}
+    for process, value in sorted(found.items()):
+        for key, content in value["shared"].items():
+            by_key.setdefault(key, {}).setdefault(content, []).append(process)
+    differing = sorted((key, groups) for key, groups in by_key.items() if len(groups) > 1)
+    if differing:
+        key, groups = differing[0]
+        holders = "; ".join(
+            f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}" for p in groups.values()
+        )
+        raise ValueError(
+            f"{caller}: {what} for replica {key} differ between the processes that share it "
+            f"({holders} gave different values), so its devices would hold different copies of "
+            "one value. Every process that holds a replica must compute the same result for it: "
+            "seed random numbers by the replica id (context.replica_id_in_sync_group), not by "
+            "the process."
         )

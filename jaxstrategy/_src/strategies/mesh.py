@@ -15,6 +15,7 @@ replica (and returned it replicated) or not.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +92,10 @@ class MeshStrategy(Strategy):
                 "replicas. Order the devices process by process, and include this process's."
             )
         self._local_replica_ids = range(local[0], local[-1] + 1)
+        # The local replicas that other processes hold devices of too.
+        self._shared_replica_ids = frozenset(
+            i for i in local if any(d.process_index != here for d in groups[i])
+        )
         # Each local replica's first device here: where its values are read when it has several.
         self._local_devices = tuple(next(d for d in groups[i] if d.process_index == here) for i in local)
         self._sharding = NamedSharding(self._mesh, PartitionSpec())
@@ -175,12 +180,14 @@ class MeshStrategy(Strategy):
         each process calls `value_fn` for its own replicas only (with their global replica ids)
         and can compare only their results, so results must agree across processes by
         construction; Python numbers become arrays of JAX's default dtypes there, rather than
-        weakly typed ones.
+        weakly typed ones. Processes that share a replica (of a `MultiWorkerShardedStrategy`
+        spanning them) each call `value_fn` for it, and must return the same values.
 
         Raises:
           TypeError: `value_fn` is not callable; a leaf that is not an array differs between
             replicas.
-          ValueError: the replicas' results differ in structure, shape or dtype.
+          ValueError: the replicas' results differ in structure, shape or dtype; or processes
+            that share a replica gave it different values.
 
         Example:
           >>> import jaxstrategy
@@ -211,12 +218,20 @@ class MeshStrategy(Strategy):
             leaves.append(self._stack_components(replica_values, format_path("value", path), caller))
         if self._is_multi_process:
             # Each process checked its own replicas' results; parts of other shapes elsewhere
-            # would make global arrays of memory nobody wrote.
+            # would make global arrays of memory nobody wrote. A replica that spans processes
+            # gets its component from each of them: they must agree on its values too, or its
+            # devices would hold different "copies" of it.
+            shared = {
+                str(i): _content_digest(result)
+                for i, result in zip(replica_ids, results, strict=True)
+                if i in self._shared_replica_ids
+            }
             require_same_on_every_process(
                 _signature(treedef, leaves),
                 what="value_fn's results",
                 caller=caller,
                 timeout_s=self._batch_layout.input_timeout_s,
+                shared=shared,
             )
         return jax.tree.unflatten(treedef, leaves)
 
@@ -396,6 +411,20 @@ def _signature(treedef: Any, leaves: list[Any]) -> str:
         for leaf in leaves
     ]
     return f"{treedef}: {', '.join(described)}"
+
+
+def _content_digest(tree: PyTree) -> str:
+    """A digest of a replica's result, its arrays' bytes, shapes and dtypes and its other leaves'
+    reprs: what the processes sharing the replica compare."""
+    digest = hashlib.blake2b(digest_size=16)
+    for leaf in jax.tree.leaves(tree):
+        if is_array_like(leaf):
+            array = np.asarray(leaf)
+            digest.update(f"{array.dtype}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
 
 
 def _component_view(leaf: PerReplica) -> np.ndarray:
