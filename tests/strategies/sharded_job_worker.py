@@ -93,6 +93,9 @@ def train(strategy: jaxstrategy.Strategy, *, from_function: bool = False) -> dic
             params, opt_state, loss = strategy.run(step, args=(params, opt_state, batch))
             losses.append(float(loss))
     local = {shard.device for shard in params["w1"].addressable_shards}
+    # This process's copy of each leaf: on its own devices where it holds all of it.
+    first = strategy.experimental_local_results(params)[0]
+    held_here = {k: v.is_fully_addressable for k, v in first.items()}
     return {
         "losses": losses,
         # Every leaf is whole on some device of the job; gathered onto the host whole.
@@ -103,6 +106,8 @@ def train(strategy: jaxstrategy.Strategy, *, from_function: bool = False) -> dic
         "specs": {k: str(tuple(v.sharding.spec)) for k, v in params.items()},
         "w1_bytes_here": sum(s.data.nbytes for s in params["w1"].addressable_shards),
         "local_devices": len(local),
+        "held_here": held_here,
+        "local_w1": np.asarray(first["w1"]).tolist() if held_here["w1"] else None,
     }
 
 

@@ -252,6 +252,20 @@ def test_a_host_holds_a_replica_split_over_its_devices(job):
         assert report["one_host"]["input_pipeline"] == [1, 0]
         assert report["two_hosts"]["input_pipeline"] == [2, process]
         assert report["megatron_1_training"]["specs"]["w1"] == "(None, 'model')"
+        # Local results: a leaf this process holds all of comes back on its devices, readable
+        # here; one split between the processes, as the replica's array.
+        assert report["one_host_training"]["held_here"] == {
+            "b1": False,
+            "b2": False,
+            "w1": False,
+            "w2": False,
+        }
+        assert report["two_hosts_training"]["held_here"] == {"b1": True, "b2": True, "w1": True, "w2": True}
+        # One replica over both processes, 'model' within each: the leaves its rules split over
+        # 'model' are whole in each process, b2 (by the default, over 'shard') between them.
+        megatron = report["megatron_1_training"]
+        assert megatron["held_here"] == {"b1": True, "b2": False, "w1": True, "w2": True}
+        np.testing.assert_allclose(megatron["local_w1"], megatron["params"]["w1"])
 
 
 @pytest.mark.slow

@@ -137,10 +137,11 @@ class MeshStrategy(Strategy):
         strategy's devices its copy on the replica's device; any other leaf is repeated.
         TensorFlow returns a plain leaf once, as `(value,)`; here it is always one per replica.
         With several processes, each gets its own replicas' values, as in TensorFlow. Of a
-        replica of `MultiWorkerShardedStrategy` that spans processes, a component comes back
-        on this process's devices of the replica, and a variable split over them as the
-        replica's array, of which this process holds its own shards (gather it to the host with
-        `jax.experimental.multihost_utils.process_allgather`, on every process).
+        replica of `MultiWorkerShardedStrategy` that spans processes, a value this process
+        holds whole (a component, or a variable split only within the process) comes back on
+        this process's devices of the replica, and a variable split between the processes as
+        the replica's array, of which this process holds its own shards (gather it to the host
+        with `jax.experimental.multihost_utils.process_allgather`, on every process).
 
         Example:
           >>> import jaxstrategy

@@ -425,16 +425,17 @@ class ShardedStrategy(MeshStrategy):
     def _part_on_replica(self, array: jax.Array, replica: int, *, stacked_first: bool) -> jax.Array:
         """Replica `replica`'s part of `array` (its component when `stacked_first`, else its
         copy), on that replica's devices, laid out as there. Of a replica spanning processes,
-        a whole value comes back on this process's devices of it; a split one, over all of them
-        (this process holding its own blocks)."""
+        a value this process holds whole comes back on this process's devices of it; one split
+        between the processes, over all of them (this process holding its own blocks)."""
         mesh = self._replica_meshes[replica]
         spec = tuple(_spec(array))
         by_device = {shard.device: shard.data for shard in array.addressable_shards}
         if stacked_first:
             spec = spec[1:]
         local = [d for d in mesh.devices.flat if d in by_device]
-        if len(local) < mesh.devices.size and all(entry is None for entry in spec):
-            mesh, spec = jax.sharding.Mesh(np.array(local), (SHARD_AXIS,)), ()
+        if len(local) < mesh.devices.size:
+            mesh, spec = _held_here(mesh, spec, by_device)
+            local = [d for d in mesh.devices.flat if d in by_device]
         blocks = [by_device[d] for d in local]
         if stacked_first:
             blocks = [block.reshape(block.shape[1:]) for block in blocks]
@@ -442,6 +443,28 @@ class ShardedStrategy(MeshStrategy):
         return jax.make_array_from_single_device_arrays(
             shape, NamedSharding(mesh, PartitionSpec(*spec)), blocks
         )
+
+
+def _held_here(
+    mesh: jax.sharding.Mesh, spec: tuple[Any, ...], by_device: dict[jax.Device, Any]
+) -> tuple[jax.sharding.Mesh, tuple[Any, ...]]:
+    """Of a replica's `mesh` that spans processes, the part this process holds (`by_device`'s
+    devices) where the value laid out by `spec` is whole there; else `mesh` and `spec`.
+
+    This process's devices of a replica are whole rows of its mesh (a process's devices are
+    consecutive, and every replica is made of whole processes); the value is whole on them when
+    every axis `spec` names is within the rows, all of it held here.
+    """
+    grid = mesh.devices
+    rows = [row for row in range(grid.shape[0]) if all(d in by_device for d in grid[row : row + 1].flat)]
+    named = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None}
+    if rows and not (mesh.axis_names[0] in named and len(rows) < grid.shape[0]):
+        return jax.sharding.Mesh(grid[rows], mesh.axis_names, axis_types=mesh.axis_types), spec
+    if named:  # Split between the processes.
+        return mesh, spec
+    # Whole, over a 'model' axis wider than a process's devices: on those.
+    local = [d for d in grid.flat if d in by_device]
+    return jax.sharding.Mesh(np.array(local), (SHARD_AXIS,)), ()
 
 
 def _divisors(n: int) -> list[int]:
