@@ -29,8 +29,6 @@ from jaxstrategy._src.strategies.sharded import ShardedStrategy
 from jaxstrategy._src.values.layouts import DEFAULT_MIN_SHARD_BYTES
 
 _CALLER = "MultiWorkerShardedStrategy()"
-# How long a process waits for the others to say which host they are on.
-_HOSTS_TIMEOUT_S = 300.0
 
 
 class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
@@ -109,7 +107,8 @@ class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
             )
         self._join(cluster_resolver, initialization_timeout, heartbeat_timeout_seconds, input_timeout_seconds)
         require_same_devices_per_process(jax.devices(), _CALLER)
-        hosts = _host_of_each_process()
+        # As long as joining may take: every process reaches this point once it has joined.
+        hosts = _host_of_each_process(timeout_s=initialization_timeout)
         devices = ordered_by_host(jax.devices(), hosts)
         if num_replicas is None:
             num_replicas = _one_replica_per_host(devices, hosts)
@@ -125,12 +124,16 @@ class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
         )
 
 
-def _host_of_each_process() -> dict[int, str]:
+def _host_of_each_process(timeout_s: float) -> dict[int, str]:
     """Each process's host name, by process index: gathered once per strategy (every process
-    creates it, in the same order), without a call to the service in a job of one."""
+    creates it, in the same order), without a call to the service in a job of one.
+
+    Raises:
+      TimeoutError: some process did not create the strategy within `timeout_s`.
+    """
     if jax.process_count() == 1:
         return {0: socket.gethostname()}
-    return every_process_value(socket.gethostname(), caller=_CALLER, timeout_s=_HOSTS_TIMEOUT_S)
+    return every_process_value(socket.gethostname(), caller=_CALLER, timeout_s=timeout_s)
 
 
 def ordered_by_host(devices: Sequence[jax.Device], hosts: dict[int, str]) -> tuple[jax.Device, ...]:
