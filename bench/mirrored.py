@@ -33,12 +33,10 @@ script exits non-zero if a step was traced more than once or XLA compiled while 
 from __future__ import annotations
 
 import os
-import re
 
-if not re.search(r"device_count=\d", os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
+from cpu_devices import force_cpu_devices
+
+force_cpu_devices(2)
 
 import collections  # noqa: E402
 import sys  # noqa: E402

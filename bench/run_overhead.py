@@ -43,13 +43,9 @@ Run it from the repository root:
 
 from __future__ import annotations
 
-import os
-import re
+from cpu_devices import force_cpu_devices
 
-if not re.search(r"device_count=\d", os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
+force_cpu_devices(4)
 
 import collections  # noqa: E402
 import dataclasses  # noqa: E402

@@ -65,10 +65,9 @@ from __future__ import annotations
 import os
 import re
 
-if not re.search(r"device_count=\d", os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
+from cpu_devices import force_cpu_devices
+
+force_cpu_devices(4)
 # Keras picks its backend when first imported; the comparison is with Keras on JAX.
 os.environ["KERAS_BACKEND"] = "jax"
 

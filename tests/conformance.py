@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import os
+import re
 import threading
+from pathlib import Path
 
 import chex
 import jax
@@ -35,7 +38,36 @@ from training_reference import (
 
 import jaxstrategy
 from jaxstrategy import ReduceOp, RunOptions
+from jaxstrategy._src.cluster.local_workers import describe_results, run_local_workers
 from jaxstrategy.testing import assert_tree_on_strategy
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where the workers running the conformance suite share a directory (checkpoints must be in one).
+_SHARED_TMP_ENV = "JAXSTRATEGY_TEST_SHARED_TMP"
+
+
+@pytest.fixture(name="tmp_path")
+def shared_tmp_path(request, tmp_path_factory):
+    """`tmp_path`, but one directory for every process of a job running the suite (see
+    `assert_conformance_passes_in_two_processes`). A module imports it to use it."""
+    shared = os.environ.get(_SHARED_TMP_ENV)
+    if shared is None:
+        return tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:30])
+    path = Path(shared) / re.sub(r"\W", "_", request.node.nodeid)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def assert_conformance_passes_in_two_processes(test_file: str, tmp_path: Path, timeout: float) -> None:
+    """Run `test_file`'s `TestConformance` in each process of a job of two processes of two CPU
+    devices (its `strategy_under_test` fixture makes the job's strategy), sharing `tmp_path`."""
+    env = {**os.environ, _SHARED_TMP_ENV: str(tmp_path)}
+    command = ["-m", "pytest", f"{Path(test_file).resolve().relative_to(_REPO_ROOT)}::TestConformance", "-q"]
+    results = run_local_workers(command, 2, devices_per_worker=2, timeout=timeout, env=env, cwd=_REPO_ROOT)
+    assert all(result.returncode == 0 for result in results), describe_results(results)
+    summaries = [re.search(r"(\d+) passed", result.stdout) for result in results]
+    assert all(summaries) and summaries[0][1] == summaries[1][1], describe_results(results)
+    assert int(summaries[0][1]) > 50
 
 
 def _double(x):

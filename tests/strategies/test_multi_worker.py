@@ -24,7 +24,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conformance import StrategyConformance
+from conformance import (
+    StrategyConformance,
+    assert_conformance_passes_in_two_processes,
+    shared_tmp_path,  # noqa: F401  (tmp_path, one directory for a job's processes)
+)
 
 import jaxstrategy
 from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, checkpoint
@@ -37,8 +41,6 @@ from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = REPO_ROOT / "tests" / "multi_worker_scenarios.py"
 EXAMPLE = REPO_ROOT / "examples" / "multi_worker.py"
-# Where the workers running the conformance suite share a directory (checkpoints must be in one).
-SHARED_TMP_ENV = "JAXSTRATEGY_TEST_SHARED_TMP"
 TIMEOUT_S = 240
 
 
@@ -47,16 +49,6 @@ def multi_worker_strategy():
     """This process alone; in the workers of test_conformance_passes_in_each_of_two_processes,
     their two-process job."""
     return MultiWorkerMirroredStrategy()
-
-
-@pytest.fixture
-def tmp_path(request, tmp_path_factory):
-    shared = os.environ.get(SHARED_TMP_ENV)
-    if shared is None:
-        return tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:30])
-    path = Path(shared) / re.sub(r"\W", "_", request.node.nodeid)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class TestConformance(StrategyConformance):
@@ -406,13 +398,7 @@ def test_a_checkpoint_saved_by_two_processes_restores_in_one(scenarios, cpu_devi
 
 @pytest.mark.slow
 def test_conformance_passes_in_each_of_two_processes(tmp_path):
-    env = {**os.environ, SHARED_TMP_ENV: str(tmp_path)}
-    command = ["-m", "pytest", f"{Path(__file__).relative_to(REPO_ROOT)}::TestConformance", "-q"]
-    results = run_local_workers(command, devices_per_worker=2, timeout=TIMEOUT_S, env=env, cwd=REPO_ROOT)
-    require_success(results)
-    summaries = [re.search(r"(\d+) passed", result.stdout) for result in results]
-    assert all(summaries) and summaries[0][1] == summaries[1][1], describe_results(results)
-    assert int(summaries[0][1]) > 50
+    assert_conformance_passes_in_two_processes(__file__, tmp_path, timeout=TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -4,17 +4,19 @@ of two processes with two CPU devices each, trained against a plain `jax.jit` lo
 from __future__ import annotations
 
 import json
-import os
-import re
 import sys
 import types
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
-import optax
 import pytest
-from conformance import StrategyConformance
+from conformance import (
+    StrategyConformance,
+    assert_conformance_passes_in_two_processes,
+    shared_tmp_path,  # noqa: F401  (tmp_path, one directory for a job's processes)
+)
 
 import jaxstrategy
 from jaxstrategy._src.cluster.local_workers import run_local_workers
@@ -24,10 +26,9 @@ from jaxstrategy._src.strategies.multi_worker_sharded import ordered_by_host, re
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import sharded_job_worker as worker  # noqa: E402
+import sharded_nnx_scenario  # noqa: E402
 
 REPO_ROOT = HERE.parents[1]
-# Where the workers running the conformance suite share a directory (checkpoints must be in one).
-SHARED_TMP_ENV = "JAXSTRATEGY_TEST_SHARED_TMP"
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no dimension of it divides:UserWarning")
 
@@ -37,16 +38,6 @@ def sharded_job_strategy():
     """This process alone; in the workers of test_conformance_passes_in_each_of_two_processes,
     their two-process job: one replica (one host) over both, each holding half of its leaves."""
     return jaxstrategy.MultiWorkerShardedStrategy(min_shard_bytes=64)
-
-
-@pytest.fixture
-def tmp_path(request, tmp_path_factory):
-    shared = os.environ.get(SHARED_TMP_ENV)
-    if shared is None:
-        return tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:30])
-    path = Path(shared) / re.sub(r"\W", "_", request.node.nodeid)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 class TestConformance(StrategyConformance):
@@ -174,22 +165,17 @@ def job(tmp_path_factory) -> list[dict]:
     return [json.loads((output / f"process-{i}.json").read_text()) for i in (0, 1)]
 
 
-def _one_device_training() -> tuple[list[float], dict[str, np.ndarray]]:
-    opt = worker.optimizer()
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(worker.loss_fn)(params, batch["x"], batch["y"], lambda h, spec: h)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    params = worker.initial_params()
-    opt_state = opt.init(params)
-    losses = []
-    for batch in worker.batches():
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return losses, params
+def _assert_trains_as_one_device(trainings: list[dict]) -> None:
+    """Each process's training (`sharded_job_worker.train`'s report) against one device."""
+    expected_losses, expected = worker.one_device_training()
+    for process, training in enumerate(trainings):
+        np.testing.assert_allclose(
+            training["losses"], expected_losses, rtol=2e-6, err_msg=f"process {process}"
+        )
+        for leaf, value in expected.items():
+            np.testing.assert_allclose(
+                training["params"][leaf], value, atol=1e-6, err_msg=f"{leaf} on {process}"
+            )
 
 
 LAYOUTS = {
@@ -206,20 +192,12 @@ LAYOUTS = {
 def test_every_layout_of_the_job_trains_as_one_device(job, name):
     # SGD with momentum and clipping by the global norm: a gradient summed rather than averaged
     # over the replicas, or a replica's own, moves the parameters elsewhere.
-    expected_losses, expected = _one_device_training()
     mesh, processes = LAYOUTS[name]
-    for process, report in enumerate(job):
+    for report in job:
         assert report[name]["mesh"] == mesh
         assert report[name]["replica_devices"] == processes
-        training = report[f"{name}_training"]
-        np.testing.assert_allclose(
-            training["losses"], expected_losses, rtol=2e-6, err_msg=f"process {process}"
-        )
-        for leaf, value in expected.items():
-            np.testing.assert_allclose(
-                training["params"][leaf], value, atol=1e-6, err_msg=f"{leaf} on {process}"
-            )
-        assert training["local_devices"] == 2
+        assert report[f"{name}_training"]["local_devices"] == 2
+    _assert_trains_as_one_device([report[f"{name}_training"] for report in job])
 
 
 @pytest.mark.slow
@@ -227,16 +205,7 @@ def test_every_layout_of_the_job_trains_as_one_device(job, name):
 def test_input_pipelines_from_a_function_train_as_one_device(job, name):
     # Where both processes hold parts of one replica, they must read the same rows for it: with a
     # pipeline of its own each, process 1 would feed the replica's devices other examples.
-    expected_losses, expected = _one_device_training()
-    for process, report in enumerate(job):
-        training = report[f"{name}_from_function_training"]
-        np.testing.assert_allclose(
-            training["losses"], expected_losses, rtol=2e-6, err_msg=f"process {process}"
-        )
-        for leaf, value in expected.items():
-            np.testing.assert_allclose(
-                training["params"][leaf], value, atol=1e-6, err_msg=f"{leaf} on {process}"
-            )
+    _assert_trains_as_one_device([report[f"{name}_from_function_training"] for report in job])
 
 
 @pytest.mark.slow
@@ -291,6 +260,27 @@ def test_processes_sharing_a_replica_must_give_it_the_same_values(job):
 
 
 @pytest.mark.slow
+def test_an_nnx_model_annotated_with_logical_names_trains_in_place_over_two_processes(job):
+    # One replica over both processes, split over 'shard' and 'model' by the kernels' logical
+    # names, its nnx.Optimizer updated in place inside `run`.
+    expected = sharded_nnx_scenario.reference(worker.batches())
+    for report in (r["nnx"] for r in job):
+        # Each kernel, and its momentum, laid out as its annotation says: ('embed', 'mlp') is
+        # ('shard', 'model'), and the reverse; each process holds half of each (the other half
+        # is on the other process's devices).
+        assert report["specs"] == {
+            "up/kernel": ["('shard', 'model')"] * 2,
+            "down/kernel": ["('model', 'shard')"] * 2,
+        }
+        assert report["held"] == {"up/kernel": [0.5, 0.5], "down/kernel": [0.5, 0.5]}
+        # The same training as on one device: sums over split dimensions only add in another
+        # order.
+        np.testing.assert_allclose(report["losses"], expected["losses"], rtol=1e-5)
+        chex.assert_trees_all_close(report["params"], expected["params"], rtol=1e-5, atol=1e-6)
+    assert job[0]["nnx"]["params"] == job[1]["nnx"]["params"]
+
+
+@pytest.mark.slow
 def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
     for report in job:
         assert report["errors"]["three"].startswith(
@@ -303,13 +293,4 @@ def test_a_layout_the_job_does_not_fit_is_an_error_on_every_process(job):
 
 @pytest.mark.slow
 def test_conformance_passes_in_each_of_two_processes(tmp_path):
-    env = {**os.environ, SHARED_TMP_ENV: str(tmp_path)}
-    command = ["-m", "pytest", f"{Path(__file__).relative_to(REPO_ROOT)}::TestConformance", "-q"]
-    results = run_local_workers(command, 2, devices_per_worker=2, timeout=300, env=env, cwd=REPO_ROOT)
-    described = "\n".join(
-        f"process {i}:\n{r.stdout[-3000:]}\n{r.stderr[-2000:]}" for i, r in enumerate(results)
-    )
-    assert all(result.returncode == 0 for result in results), described
-    summaries = [re.search(r"(\d+) passed", result.stdout) for result in results]
-    assert all(summaries) and summaries[0][1] == summaries[1][1], described
-    assert int(summaries[0][1]) > 50
+    assert_conformance_passes_in_two_processes(__file__, tmp_path, timeout=300)

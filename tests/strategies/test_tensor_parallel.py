@@ -3,10 +3,12 @@ Megatron-style MLP against a plain `jax.jit` loop on one device, and `with_shard
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from conformance import StrategyConformance
 from flax import nnx
@@ -15,10 +17,13 @@ from jax.sharding import PartitionSpec as P
 import jaxstrategy
 from jaxstrategy import ShardedStrategy
 
+sys.path.insert(0, str(Path(__file__).parent))
+import sharded_job_worker as worker  # noqa: E402
+
 # (replicas, shards, model): a replica of one 'shard' device pair split on 'model', and two.
 SHAPES = [(1, 2, 2), (2, 1, 2)]
 # Megatron's split: the first kernel's output dimension and the second's input dimension.
-MEGATRON = [("w1", P(None, "model")), ("b1", P("model")), ("w2", P("model", None))]
+MEGATRON = worker.MEGATRON
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no dimension of it divides:UserWarning")
 
@@ -48,69 +53,24 @@ def _params() -> dict[str, np.ndarray]:
     }
 
 
-def _batches() -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(2)
-    return [
-        (rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32))
-        for _ in range(4)
-    ]
-
-
-def _loss(params, x, y, constrain=lambda h, spec: h):
-    hidden = jax.nn.relu(constrain(x @ params["w1"] + params["b1"], (None, "model")))
-    return jnp.mean((hidden @ params["w2"] - y) ** 2)
-
-
-_OPTIMIZER = optax.sgd(0.1, momentum=0.9)
-
-
-def _one_device_training():
-    @jax.jit
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(_loss)(params, x, y)
-        updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    params = _params()
-    opt_state = _OPTIMIZER.init(params)
-    losses = []
-    for x, y in _batches():
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))
-    return losses, params
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_a_megatron_mlp_trains_as_on_one_device(cpu_devices, shape):
+    # SGD with momentum and clipping by the global norm, each replica its own examples:
+    # sharded_job_worker's training, which a job of two processes runs too.
     replicas, shards, model = shape
     strategy = ShardedStrategy(
         cpu_devices[:4], num_replicas=replicas, model_parallel=model, layout=MEGATRON, min_shard_bytes=0
     )
     assert strategy.mesh.shape == {"replica": replicas, "shard": shards, "model": model}
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        context = jaxstrategy.get_replica_context()
-        loss, grads = jax.value_and_grad(_loss)(params, x, y, jaxstrategy.with_sharding_constraint)
-        grads = context.all_reduce("mean", grads)
-        updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, context.all_reduce("mean", loss)
-
-    with strategy.scope():
-        params = strategy.put(_params())
-        opt_state = strategy.init(_OPTIMIZER.init, params)
-        losses = []
-        for batch in strategy.experimental_distribute_dataset(_batches()):
-            params, opt_state, loss = strategy.run(step, args=(params, opt_state, batch))
-            losses.append(float(loss))
-    expected_losses, expected = _one_device_training()
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    training = worker.train(strategy)
+    expected_losses, expected = worker.one_device_training()
+    np.testing.assert_allclose(training["losses"], expected_losses, rtol=1e-5)
     for name in expected:
-        np.testing.assert_allclose(np.asarray(params[name]), expected[name], atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(training["params"][name], expected[name], atol=1e-6, err_msg=name)
     # Each kernel stays split on 'model', its momentum with it: half of it on each device.
-    assert params["w1"].sharding.spec == P(None, "model")
-    assert opt_state[0].trace["w2"].sharding.spec == P("model")
-    assert {shard.data.shape for shard in params["w1"].addressable_shards} == {(6, 8)}
+    assert training["specs"]["w1"] == "(None, 'model')"
+    assert training["momentum_specs"]["w2"] == "('model',)"
+    assert training["w1_shard_shapes"] == [[8, 8]]
 
 
 def _inspected_spec(strategy, constrain):

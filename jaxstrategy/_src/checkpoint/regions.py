@@ -117,12 +117,16 @@ def values(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.nda
         ((part, data),) = held
         host = np.asarray(data)
         return host if region == part else host[_slices(region, part)]
-    assembled = np.empty([stop - start for start, stop in region], dtype)
+    return _assembled(np.empty([stop - start for start, stop in region], dtype), region, held)
+
+
+def _assembled(buffer: np.ndarray, region: Region, held: list[tuple[Region, Any]]) -> np.ndarray:
+    """`buffer`, of `region`'s size, with the values of the pieces `held` copied where they are."""
     for part, data in held:
         both = intersection(region, part)
-        assert both is not None, "pieces() gives only parts that hold some of the region"
-        assembled[_slices(both, region)] = np.asarray(data)[_slices(both, part)]
-    return assembled
+        assert both is not None, "only parts that hold some of the region are held"
+        buffer[_slices(both, region)] = np.asarray(data)[_slices(both, part)]
+    return buffer
 
 
 def _slices(region: Region, within: Region) -> tuple[slice, ...]:
@@ -165,9 +169,4 @@ def split_parts(layout: Mapping[int, list[Region]], region: Region) -> dict[Regi
 def with_zeros(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
     """A buffer of `region`'s size holding the values of the pieces `held` where they are, and zero
     bytes elsewhere."""
-    buffer = np.zeros([stop - start for start, stop in region], dtype)
-    for part, data in held:
-        both = intersection(region, part)
-        assert both is not None, "split_parts() gives only parts that hold some of the region"
-        buffer[_slices(both, region)] = np.asarray(data)[_slices(both, part)]
-    return buffer
+    return _assembled(np.zeros([stop - start for start, stop in region], dtype), region, held)

@@ -1,21 +1,16 @@
-"""What every process of a two-process `MultiWorkerShardedStrategy` job does for test_sharded_job.py:
-a Flax NNX model annotated with logical axis names, trained in place through `run`.
-
-    python tests/strategies/sharded_nnx_worker.py OUTPUT_DIR
+"""A scenario of the two-process `MultiWorkerShardedStrategy` job of test_sharded_job.py (run by
+sharded_job_worker.py): a Flax NNX model annotated with logical axis names, trained in place
+through `run`.
 
 The kernels are annotated `nnx.with_partitioning(init, ('embed', 'mlp'))` and the reverse, the
 logical names mapped by `RULES` (as Flax's `logical_axis_rules`) onto the replica's `'shard'` and
-`'model'` axes; the `nnx.Optimizer` is updated in place in `run`. Each process trains the same
-model in each layout of `LAYOUTS`, one after the other, and writes what it saw to
-OUTPUT_DIR/process-<index>.json for the test to compare with the same model trained on one
-device (`reference`, which the test imports).
+`'model'` axes; the `nnx.Optimizer` is updated in place in `run`. `train` trains the model with
+one replica over both processes, each holding half of every kernel; `reference`, which the test
+calls, trains the same model on one device.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import jax  # Importing starts nothing: MultiWorkerShardedStrategy() must still come first.
@@ -27,14 +22,9 @@ from jax.experimental import multihost_utils
 
 import jaxstrategy
 
-BATCH = 8
-STEPS = 4
 # Logical names to the replica's axes: the embedding dimension split over 'shard' (FSDP), the
 # hidden one over 'model' (Megatron's column- then row-parallel pair).
 RULES = (("embed", "shard"), ("mlp", "model"))
-# (num_replicas, model_parallel) on 2 processes x 2 devices: one replica over both processes,
-# each holding half of every kernel. ((2, 2), a replica in each process, doubles the job's time.)
-LAYOUTS = ((1, 2),)
 
 
 class MLP(nnx.Module):
@@ -47,7 +37,7 @@ class MLP(nnx.Module):
             bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), ("mlp",)),
             rngs=rngs,
         )
-        self.down = nnx.Linear(16, 8, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+        self.down = nnx.Linear(16, 4, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.relu(self.up(x)))
@@ -60,17 +50,6 @@ def objects() -> tuple[MLP, nnx.Optimizer]:
     with nnx.use_eager_sharding(False):
         model = MLP(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
-
-
-def batches() -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(7)
-    return [
-        {
-            "x": rng.normal(size=(BATCH, 8)).astype(np.float32),
-            "y": rng.normal(size=(BATCH, 8)).astype(np.float32),
-        }
-        for _ in range(STEPS)
-    ]
 
 
 def loss_fn(model: MLP, batch: Any) -> jax.Array:
@@ -91,10 +70,10 @@ def _reference_step(model: MLP, optimizer: nnx.Optimizer, batch: Any) -> jax.Arr
     return loss
 
 
-def reference() -> dict[str, Any]:
+def reference(batches: list[Any]) -> dict[str, Any]:
     """The same training on one device, under `nnx.jit`: the losses and final parameters."""
     model, optimizer = objects()
-    losses = [float(_reference_step(model, optimizer, batch)) for batch in batches()]
+    losses = [float(_reference_step(model, optimizer, batch)) for batch in batches]
     return {"losses": losses, "params": _params(model)}
 
 
@@ -114,10 +93,9 @@ def _held_fraction(leaf: jax.Array) -> float:
     return float(held.mean())
 
 
-def train(num_replicas: int, model_parallel: int) -> dict[str, Any]:
-    strategy = jaxstrategy.MultiWorkerShardedStrategy(
-        num_replicas=num_replicas, model_parallel=model_parallel, min_shard_bytes=0
-    )
+def train(batches: list[Any]) -> dict[str, Any]:
+    """Train on one replica over both processes (2 x 2 devices), split over 'shard' and 'model'."""
+    strategy = jaxstrategy.MultiWorkerShardedStrategy(num_replicas=1, model_parallel=2, min_shard_bytes=0)
     model, optimizer = objects()
     # The logical names mean something only under their rules: `put` lays the objects out by
     # them. `run` needs them no more: it writes each new value back where the old one was.
@@ -126,7 +104,7 @@ def train(num_replicas: int, model_parallel: int) -> dict[str, Any]:
     kernel = model.up.kernel
     losses = [
         float(strategy.run(train_step, args=(model, optimizer, batch)))
-        for batch in strategy.experimental_distribute_dataset(batches())
+        for batch in strategy.experimental_distribute_dataset(batches)
     ]
     assert model.up.kernel is kernel  # The same Variable, its value replaced.
     # Each kernel, and its momentum, which carries the kernel's annotation.
@@ -140,12 +118,3 @@ def train(num_replicas: int, model_parallel: int) -> dict[str, Any]:
         "specs": {name: [str(tuple(leaf.sharding.spec)) for leaf in pair] for name, pair in layouts.items()},
         "held": {name: [_held_fraction(leaf) for leaf in pair] for name, pair in layouts.items()},
     }
-
-
-def main(output_dir: Path) -> None:
-    report = {f"{r}x{m}": train(r, m) for r, m in LAYOUTS}
-    (output_dir / f"process-{jax.process_index()}.json").write_text(json.dumps(report))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
