@@ -126,7 +126,9 @@ def has_replica_values(strategy) -> bool:
     return not isinstance(strategy, jaxstrategy.OneDeviceStrategy)
 
 
-def is_multi_process(strategy) -> bool:
+def holds_only_some_replicas(strategy) -> bool:
+    """Whether other processes hold replicas this one does not (a job of several processes, but
+    one whose replicas each span all of them)."""
     return len(local_replica_ids(strategy)) < strategy.num_replicas_in_sync
 
 
@@ -714,7 +716,7 @@ class StrategyConformance:
     def test_fetch_to_device_false_yields_host_arrays(self, strategy_under_test):
         options = jaxstrategy.InputOptions(experimental_fetch_to_device=False)
         batches = [np.ones(2 * len(strategy_under_test.devices))]
-        if is_multi_process(strategy_under_test):
+        if holds_only_some_replicas(strategy_under_test):
             with pytest.raises(
                 NotImplementedError,
                 match=r"experimental_fetch_to_device=False\) is not supported across processes",
@@ -748,8 +750,8 @@ class StrategyConformance:
         dataset = strategy_under_test.distribute_datasets_from_function(dataset_fn)
         assert len(list(dataset)) == 2 and len(list(dataset)) == 2
         pipeline = jaxstrategy.InputContext(
-            jax.process_count() if is_multi_process(strategy_under_test) else 1,
-            jax.process_index() if is_multi_process(strategy_under_test) else 0,
+            jax.process_count() if holds_only_some_replicas(strategy_under_test) else 1,
+            jax.process_index() if holds_only_some_replicas(strategy_under_test) else 0,
             strategy_under_test.num_replicas_in_sync,
         )
         assert contexts == [pipeline]

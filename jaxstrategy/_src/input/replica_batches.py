@@ -44,13 +44,15 @@ class ReplicaLayout:
       num_replicas: how many replicas share each batch.
       stacked: whether batches are split per replica, stacked along a new leading axis and
         delivered as `PerReplica` leaves (False only for one replica: the batch as it is).
-      local_replicas: the ids of this process's replicas, consecutive; None means all. When
-        some replicas belong to other processes, each process places only its own replicas'
-        parts, and the processes' inputs end together (see `input/agreement.py`).
-      input_timeout_s: then, how long a process's input waits for the others' at one step.
-      spans_processes: whether `sharding`'s devices belong to several processes. Also true
-        where this process holds (a part of) every replica: one replica of a
-        `MultiWorkerShardedStrategy` split over several processes.
+      local_replicas: the ids of the replicas this process holds devices of, consecutive;
+        None means all.
+      input_timeout_s: with several processes, how long a process's input waits for the
+        others' at one step.
+      is_multi_process: whether `sharding`'s devices belong to several processes: then each
+        process places only its own devices' parts of its replicas' batches, and the
+        processes' inputs end together (see `input/agreement.py`). True also where this
+        process holds (a part of) every replica: one replica of a `MultiWorkerShardedStrategy`
+        split over several processes.
     """
 
     sharding: jax.sharding.Sharding
@@ -58,20 +60,11 @@ class ReplicaLayout:
     stacked: bool = False
     local_replicas: range | None = None
     input_timeout_s: float = 3600.0
-    spans_processes: bool = False
+    is_multi_process: bool = False
 
     @property
     def local_replica_ids(self) -> range:
         return range(self.num_replicas) if self.local_replicas is None else self.local_replicas
-
-    @property
-    def is_multi_process(self) -> bool:
-        # Read per batch: from the replica ids and a flag, not by asking every device for its
-        # process. Without the flag, a replica split over every process of the job (R = 1) would
-        # count as one process's: its batches placed by `jax.device_put`, whose multi-process
-        # check is a collective per batch, and no agreement between the processes on where the
-        # input ends.
-        return self.spans_processes or len(self.local_replica_ids) < self.num_replicas
 
 
 @dataclasses.dataclass(frozen=True)

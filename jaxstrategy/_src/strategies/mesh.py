@@ -258,7 +258,7 @@ class MeshStrategy(Strategy):
             num_replicas=self._num_replicas,
             stacked=True,
             local_replicas=self._local_replica_ids,
-            spans_processes=self._is_multi_process,
+            is_multi_process=self._is_multi_process,
         )
 
     def _replica_program(self, fn: StepFn) -> StepFn:
