@@ -62,7 +62,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstrategy  # noqa: E402
-from jaxstrategy._src.strategies.mesh import _CPU_STEPS_IN_FLIGHT  # noqa: E402
+from jaxstrategy._src.strategies.mesh_replicas import CPU_STEPS_IN_FLIGHT  # noqa: E402
 
 GOAL_RATIO = 1.10
 FULL_ROUNDS, QUICK_ROUNDS = 30, 3
@@ -72,7 +72,7 @@ WARMUP_CALLS = 20
 # MirroredStrategy.run waits for every 8th step on CPU devices, because XLA's CPU client can
 # deadlock with many multi-device steps in flight; the hand-written loops wait as often, or they
 # could hang.
-HAND_WRITTEN_WAIT_EVERY = _CPU_STEPS_IN_FLIGHT
+HAND_WRITTEN_WAIT_EVERY = CPU_STEPS_IN_FLIGHT
 
 TRACES: collections.Counter[str] = collections.Counter()
 

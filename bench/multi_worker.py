@@ -154,10 +154,10 @@ def scale_worker(steps: int) -> None:
     generator_input, generator_programs, generator_s = one_pass(2 * steps, False)
     # What run pays for the program check: its hook alone, over 20 rounds with the others.
     hook_calls = 20 * CALLS_PER_ROUND
-    assert strategy._programs is not None
+    assert strategy._job.program_agreement is not None
     started = time.perf_counter()
     for _ in range(hook_calls):
-        strategy._programs.record(train_step)
+        strategy._job.program_agreement.record(train_step)
     hook_us = (time.perf_counter() - started) / hook_calls * 1e6
     result = {
         "input_per_pass": short,

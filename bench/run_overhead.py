@@ -73,7 +73,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstrategy  # noqa: E402
-from jaxstrategy._src.strategies.mesh import _CPU_STEPS_IN_FLIGHT  # noqa: E402
+from jaxstrategy._src.strategies.mesh_replicas import CPU_STEPS_IN_FLIGHT  # noqa: E402
 
 # What the project holds `run` to, as run/jit per call: at most GOAL_RATIO in every case (the
 # issue that set it calls FLOOR_RATIO the least it accepts), and at most MANY_LEAVES_RATIO where
@@ -157,7 +157,7 @@ def leaves_state(count: int) -> dict:
 def build_cases(strategy: jaxstrategy.Strategy, by_hand: Callable[..., Callable[..., Any]]) -> list[Case]:
     """The cases on `strategy`, `by_hand(step, **jit_options)` being what a user would jit."""
     label = type(strategy).__name__
-    wait = _CPU_STEPS_IN_FLIGHT if strategy.num_replicas_in_sync > 1 else 0
+    wait = CPU_STEPS_IN_FLIGHT if strategy.num_replicas_in_sync > 1 else 0
 
     def pair(name: str, step: Callable[..., Any], **jit_options: Any) -> tuple[Any, Any]:
         return (

@@ -18,6 +18,7 @@ from jaxstrategy._src.input.datasets import DistributedDataset as DistributedDat
 from jaxstrategy._src.input.datasets import DistributedIterator as DistributedIterator
 from jaxstrategy._src.input.datasets import OptionalBatch as OptionalBatch
 from jaxstrategy._src.input.datasets import OutOfRangeError as OutOfRangeError
+from jaxstrategy._src.strategies.job import StrategyExtended as StrategyExtended
 from jaxstrategy._src.strategies.mirrored import MirroredStrategy as MirroredStrategy
 from jaxstrategy._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
@@ -29,7 +30,6 @@ from jaxstrategy._src.strategies.one_device import OneDeviceStrategy as OneDevic
 from jaxstrategy._src.strategies.sharded import ShardedStrategy as ShardedStrategy
 from jaxstrategy._src.strategies.sharded import with_sharding_constraint as with_sharding_constraint
 from jaxstrategy._src.strategies.strategy import Strategy as Strategy
-from jaxstrategy._src.strategies.strategy import StrategyExtended as StrategyExtended
 from jaxstrategy._src.strategies.strategy import experimental_set_strategy as experimental_set_strategy
 from jaxstrategy._src.strategies.strategy import get_replica_context as get_replica_context
 from jaxstrategy._src.strategies.strategy import get_strategy as get_strategy

@@ -2,7 +2,8 @@
 
 `core` < {`values`, `cluster`} < `steps` < `input` < `strategies` < `checkpoint`: a module may
 import from its own room and the rooms below it, never from one above, and `values` and
-`cluster` not from each other. Every import counts, wherever it stands: at the top, inside a
+`cluster` not from each other; and no module imports itself through others, within a room or
+across rooms. Every import counts, wherever it stands: at the top, inside a
 function, or under `TYPE_CHECKING`. Nothing in `_src` imports the public faces (`jaxstrategy`,
 `jaxstrategy.checkpoint`, ..., which sit above every room) or a module of `_src` that is in no
 room. No module lives directly in `_src`.
@@ -101,8 +102,69 @@ def layering_violations(src: Path = SRC) -> list[str]:
     return problems
 
 
+def import_cycles(src: Path = SRC) -> list[str]:
+    """One line per cycle of imports between modules of `src` (every import counts, as above):
+    the modules of the cycle, each importing the next. Rooms keep imports between rooms acyclic;
+    this keeps them acyclic within a room too."""
+    modules = {_module_name(path, src): path for path in sorted(src.rglob("*.py"))}
+    graph = {
+        name: sorted(
+            {target for _, imported in _imported_modules(path, src) if (target := _known(imported, modules))}
+            - {name}
+        )
+        for name, path in modules.items()
+    }
+    cycles: list[str] = []
+    state: dict[str, str] = {}  # "open" while on the path being walked, "done" once left.
+    path: list[str] = []
+
+    def walk(name: str) -> None:
+        state[name] = "open"
+        path.append(name)
+        for target in graph[name]:
+            if state.get(target) == "open":
+                cycle = path[path.index(target) :] + [target]
+                cycles.append(" -> ".join(module.removeprefix(f"{PACKAGE}.") for module in cycle))
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            walk(name)
+    return cycles
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
+    return ".".join([PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _known(imported: str, modules: dict[str, Path]) -> str | None:
+    """The module of `src` that an import names: itself, or the module a name is taken from."""
+    if imported in modules:
+        return imported
+    parent = imported.rpartition(".")[0]
+    return parent if parent in modules and parent.count(".") >= 2 else None
+
+
 def test_imports_point_down_the_rooms_and_no_module_is_left_in_src():
     assert layering_violations() == []
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_cycles() == []
+
+
+def test_a_cycle_within_a_room_is_caught(tmp_path):
+    src = tmp_path / "jaxstrategy" / "_src"
+    (src / "strategies").mkdir(parents=True)
+    (src / "strategies" / "a.py").write_text("from jaxstrategy._src.strategies.b import B\n")
+    (src / "strategies" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxstrategy._src.strategies import a\n"
+    )
+    assert import_cycles(src) == ["strategies.a -> strategies.b -> strategies.a"]
 
 
 def test_every_room_says_what_it_is_for_and_holds_nothing_else():

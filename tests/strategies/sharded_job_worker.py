@@ -153,7 +153,7 @@ def layouts(strategy: jaxstrategy.MultiWorkerShardedStrategy) -> dict[str, Any]:
         "devices_per_replica": strategy.devices_per_replica,
         "mesh": dict(strategy.mesh.shape),
         "replica_devices": [[d.process_index for d in row.flat] for row in strategy.mesh.devices],
-        "input_pipeline": list(strategy._input_pipeline),
+        "input_pipeline": list(strategy._job.input_pipeline),
     }
 
 

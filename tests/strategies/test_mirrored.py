@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conformance import StrategyConformance
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxstrategy
 from jaxstrategy import InputOptions, MirroredStrategy, OneDeviceStrategy, PerReplica, ReduceOp
@@ -207,20 +209,21 @@ def test_inputs_not_yet_on_the_mesh_do_not_trace_the_step_again(two):
 
 def test_a_compiled_step_never_runs_with_another_input_layout(two):
     # jit alone would take a PerReplica where a whole array was pinned (a sharding pinned for a
-    # whole argument fits any subtree), copying every component to every device.
-    from jaxstrategy._src.steps.cache import LayoutChanged, function_key
+    # whole argument fits any subtree), copying every component to every device: each replica
+    # would then see [1, 2] whole, and nothing would be traced again.
+    traces = []
 
     def step(x):
+        traces.append(x.shape)
         return x * 2
 
     whole = np.ones(2, np.float32)
     split = PerReplica(np.array([1.0, 2.0], np.float32))  # On the host: jit would place it anyhow.
     two.run(step, args=(whole,))
-    compiled_for_whole = two._run_steps.fast_entries[function_key(step)]
-    with pytest.raises(LayoutChanged):
-        compiled_for_whole(split)
-    assert _local(two, two.run(step, args=(split,))) == [2.0, 4.0]  # run takes the slow path
+    assert _local(two, two.run(step, args=(split,))) == [2.0, 4.0]
+    assert traces == [(2,), ()]  # Compiled again, for one element per replica.
     assert two.run(step, args=(whole,)).tolist() == [2.0, 2.0]
+    assert len(traces) == 2
 
 
 def test_run_inside_an_outer_jit(two):
@@ -250,7 +253,7 @@ def test_a_per_replica_that_the_replicas_divide_is_still_checked_once_compiled(t
     # Once compiled for two components, jit would take four (two per replica) without a word.
     step = lambda x: x * 2  # noqa: E731
     two.run(step, args=(_per_replica(two, [1.0, 2.0]),))
-    four_components = PerReplica(jax.device_put(jnp.arange(4.0), two._batch_layout.sharding))
+    four_components = PerReplica(jax.device_put(jnp.arange(4.0), NamedSharding(two.mesh, P("replica"))))
     with pytest.raises(ValueError, match=r"args\[0\] has 4 component\(s\)"):
         two.run(step, args=(four_components,))
 
@@ -481,7 +484,7 @@ def test_values_from_function_keeps_python_values_per_replica(two):
     scale = two.experimental_distribute_values_from_function(
         lambda context: 0.5 * (context.replica_id_in_sync_group + 1)
     )
-    assert scale.stacked.weak_type and scale.stacked.sharding == two._batch_layout.sharding
+    assert scale.stacked.weak_type and scale.stacked.sharding == NamedSharding(two.mesh, P("replica"))
     scaled = two.run(lambda s: s * jnp.ones(2, jnp.bfloat16), args=(scale,))
     assert scaled.stacked.dtype == jnp.bfloat16 and _local(two, scaled) == [[0.5, 0.5], [1.0, 1.0]]
     one = OneDeviceStrategy().experimental_distribute_values_from_function(lambda context: 0.5)

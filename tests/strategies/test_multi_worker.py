@@ -32,10 +32,9 @@ from conformance import (
 
 import jaxstrategy
 from jaxstrategy import MultiWorkerMirroredStrategy, SimpleClusterResolver, checkpoint
-from jaxstrategy._src.cluster import ports
+from jaxstrategy._src.cluster import joining, ports
 from jaxstrategy._src.cluster.local_workers import LocalWorkers, describe_results, worker_environment
-from jaxstrategy._src.strategies import multi_worker
-from jaxstrategy._src.strategies.multi_worker import require_same_devices_per_process
+from jaxstrategy._src.core.device_spec import require_same_devices_per_process
 from jaxstrategy.testing import assert_tree_on_strategy, run_local_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +133,10 @@ def test_a_malformed_tf_config_is_an_error(monkeypatch):
 
 
 def test_a_resolver_of_the_wrong_type_is_an_error():
-    with pytest.raises(TypeError, match=r"cluster_resolver='127.0.0.1:1'\): expected a jaxstrategy"):
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)cluster_resolver=.127.0.0.1:1. is not a cluster resolver.*TFConfigClusterResolver",
+    ):
         MultiWorkerMirroredStrategy("127.0.0.1:1")
 
 
@@ -190,7 +192,7 @@ def test_a_mesh_without_this_process_s_devices_is_an_error(monkeypatch, cpu_devi
     monkeypatch.setattr(jax, "process_index", lambda: 1)  # As if every device were another process's.
     with pytest.raises(
         jaxstrategy.InvalidDeviceError,
-        match=r"MirroredStrategy: this process \(process 1\) must hold one or more consecutive replicas",
+        match=r"(?s)MirroredStrategy\(\): this process \(process 1\) must hold.*replicas.*Order the devices",
     ):
         jaxstrategy.MirroredStrategy()
 
@@ -669,9 +671,13 @@ def test_a_strategy_made_outside_the_main_thread_warns_that_sigterm_stays_with_j
         r"can be set, so the SIGTERM handler that jax.distributed.initialize installed stays: .* Create the "
         r"strategy in the main thread",
     ) as warned:
-        thread = threading.Thread(target=multi_worker._put_back_sigterm, args=(signal.SIG_DFL,))
+        thread = threading.Thread(
+            target=joining.put_back_sigterm, args=(signal.SIG_DFL, "MultiWorkerMirroredStrategy()")
+        )
         thread.start()
         thread.join()
     assert len(warned) == 1
-    multi_worker._put_back_sigterm(signal.SIG_DFL)  # In the main thread: put back, no warning.
+    joining.put_back_sigterm(
+        signal.SIG_DFL, "MultiWorkerMirroredStrategy()"
+    )  # In the main thread: put back, no warning.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

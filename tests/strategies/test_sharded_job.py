@@ -20,7 +20,8 @@ from conformance import (
 
 import jaxstrategy
 from jaxstrategy._src.cluster.local_workers import run_local_workers
-from jaxstrategy._src.strategies import multi_worker, multi_worker_sharded
+from jaxstrategy._src.strategies import job as job_part
+from jaxstrategy._src.strategies import multi_worker_sharded
 from jaxstrategy._src.strategies.multi_worker_sharded import ordered_by_host, require_whole_processes
 
 HERE = Path(__file__).parent
@@ -60,7 +61,7 @@ def test_without_a_cluster_it_is_one_replica_over_this_host(cpu_devices):
     assert strategy.num_replicas_in_sync == 1
     assert strategy.devices == tuple(jax.devices())
     assert strategy.cluster_resolver.num_processes == 1
-    assert strategy._input_pipeline == (1, 0)
+    assert strategy._job.input_pipeline == (1, 0)
     two = jaxstrategy.MultiWorkerShardedStrategy(num_replicas=2, model_parallel=2)
     assert two.mesh.shape == {"replica": 2, "shard": len(jax.devices()) // 4, "model": 2}
     assert "num_replicas=2, model_parallel=2" in repr(two)
@@ -148,7 +149,7 @@ def test_processes_that_share_a_replica_share_its_input_pipeline(
     devices = sorted(fake_devices(per_process, 2), key=lambda d: d.id)
     for process in (0, 1):
         monkeypatch.setattr(jax, "process_index", lambda process=process: process)
-        assert multi_worker._input_pipeline_of_this_process(devices, replicas) == expected[process]
+        assert job_part.input_pipeline_of_this_process(devices, replicas) == expected[process]
 
 
 # --- a job of two processes ---------------------------------------------------------------------

@@ -69,4 +69,4 @@ def placement_of(strategy: Strategy) -> Placement:
     """Where `strategy` puts restored leaves: where its `put` places them (leaf by leaf on
     `ShardedStrategy`, all onto its `sharding` on the others)."""
     caller = "jaxstrategy.checkpoint.restore()"
-    return Placement(strategy.sharding, functools.partial(strategy._shardings_for, caller=caller))
+    return Placement(strategy.sharding, functools.partial(strategy._placement.shardings_for, caller=caller))

@@ -11,14 +11,16 @@ placement); here such a name is an error unless the caller asks for `soft_placem
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 
 from jaxstrategy._src.core.arguments import is_int
-from jaxstrategy._src.core.errors import InvalidDeviceError, caller_stacklevel
+from jaxstrategy._src.core.errors import InvalidDeviceError, bullet_list, caller_stacklevel
 from jaxstrategy._src.core.types import DeviceLike
 
 # Device types as users spell them, mapped to JAX's platform names.
@@ -43,7 +45,7 @@ def resolve_device(
     spec: DeviceLike,
     *,
     soft_placement: bool = False,
-    caller: str = "OneDeviceStrategy",
+    owner: str = "OneDeviceStrategy",
     argument: str = "device",
 ) -> jax.Device:
     """Return the local `jax.Device` that `spec` names.
@@ -52,7 +54,8 @@ def resolve_device(
       spec: a device in any accepted form, or None for the default device.
       soft_placement: when the named device does not exist in this process, warn once and
         return the default device instead of raising.
-      caller: the call to name in messages, such as `OneDeviceStrategy`.
+      owner: the class whose constructor takes the device, such as `OneDeviceStrategy`:
+        messages show the argument as it was passed, `OneDeviceStrategy(device='/gpu:9')`.
       argument: the argument to name in messages.
 
     Returns:
@@ -75,16 +78,16 @@ def resolve_device(
         local = jax.local_devices()
         device = local[spec] if 0 <= spec < len(local) else None
     elif isinstance(spec, str):
-        device = _find(_parse(spec, caller=caller, argument=argument))
+        device = _find(_parse(spec, owner=owner, argument=argument))
     else:
         raise TypeError(
-            f"{caller}({argument}={spec!r}): expected {_ACCEPTED_FORMS}; got a "
+            f"{owner}({argument}={spec!r}): expected {_ACCEPTED_FORMS}; got a "
             f"{type(spec).__name__}. For several devices use MirroredStrategy(devices=[...])."
         )
     if device is not None:
         return device
     fallback = default_device()
-    message = f"{caller}({argument}={spec!r}): no such device; this process sees {jax.local_devices()}."
+    message = f"{owner}({argument}={spec!r}): no such device; this process sees {jax.local_devices()}."
     if not soft_placement:
         raise InvalidDeviceError(
             f"{message} Pass one of those, or a string such as '/cpu:0'; or pass "
@@ -141,10 +144,85 @@ def spans_processes(devices: Iterable[jax.Device]) -> bool:
     return any(d.process_index != jax.process_index() for d in devices)
 
 
-def _parse(text: str, *, caller: str, argument: str) -> _ParsedName:
+def resolve_devices(devices: Sequence[DeviceLike] | None, *, owner: str) -> tuple[jax.Device, ...]:
+    """The devices a list names (every local device for None or an empty list), checked: each
+    exists, none twice, all of one kind. `owner` is the class to name in messages, as for
+    `resolve_device`."""
+    if devices is None or (isinstance(devices, list | tuple) and not devices):
+        return tuple(jax.local_devices())
+    if not isinstance(devices, list | tuple):
+        raise TypeError(
+            f"{owner}(devices={devices!r}): expected a list or tuple of devices, such as "
+            "['/gpu:0', '/gpu:1'], or None for all local devices; got a "
+            f"{type(devices).__name__}. For one device, pass a one-element list."
+        )
+    missing = [f"devices[{i}]" for i, spec in enumerate(devices) if spec is None]
+    if missing:
+        # OneDeviceStrategy(None) means the default device; in a list, None names no device.
+        raise TypeError(
+            f"{owner}(devices={list(devices)!r}): {', '.join(missing)} is None, which names "
+            "no device. List devices such as '/gpu:0', or pass devices=None for every local device."
+        )
+    resolved = tuple(
+        resolve_device(spec, owner=owner, argument=f"devices[{i}]") for i, spec in enumerate(devices)
+    )
+    repeated = sorted({repr(d) for d in resolved if resolved.count(d) > 1})
+    if repeated:
+        raise InvalidDeviceError(
+            f"{owner}(devices={list(devices)!r}): {', '.join(repeated)} is listed more than "
+            "once; each device holds one replica. List each device once."
+        )
+    platforms = sorted({d.platform for d in resolved})
+    if len(platforms) > 1:
+        raise InvalidDeviceError(
+            f"{owner}(devices={list(devices)!r}): the devices are of different kinds "
+            f"({', '.join(platforms)}); one program runs on all replicas, so use devices of one kind."
+        )
+    return resolved
+
+
+def require_same_devices_per_process(devices: Sequence[Any], caller: str) -> None:
+    """Raise unless every process of the job has as many of `devices` as every other.
+
+    `jax.devices()` lists every process's devices with their `process_index`, so each process
+    finds the same answer, and raises the same error, without asking the others. Without this,
+    processes with 2 and 1 devices made a strategy of 3 replicas whose first `put` failed in JAX
+    with "cannot reshape array of size 3 into shape (2,2)" (`multihost_utils.process_allgather`
+    lays the devices out as processes x devices per process), and whose distributed datasets
+    gave each process a share of another shape.
+
+    Args:
+      devices: the devices of every process, as `jax.devices()` lists them.
+      caller: the call to name in the message.
+
+    Raises:
+      InvalidDeviceError: (a `ValueError`) the processes have different numbers of devices; the
+        message lists each count and the processes that have it.
+    """
+    per_process = collections.Counter(device.process_index for device in devices)
+    if len(set(per_process.values())) <= 1:
+        return
+    by_count: dict[int, list[int]] = {}
+    for process in sorted(per_process):
+        by_count.setdefault(per_process[process], []).append(process)
+    lines = [
+        f"{count} device{'s' if count != 1 else ''}: process{'es' if len(processes) > 1 else ''} "
+        f"{', '.join(map(str, processes))}"
+        for count, processes in by_count.items()
+    ]
+    raise InvalidDeviceError(
+        f"{caller}: the processes of this job have different numbers of devices:{bullet_list(lines)}\n"
+        "Every process must have the same number, one replica per device: each process feeds and "
+        "reads its own replicas, and JAX's arrays over several processes need as many on each. "
+        "Start every process with the same devices (on GPUs, as many in CUDA_VISIBLE_DEVICES; on "
+        "CPUs, the same --xla_force_host_platform_device_count in XLA_FLAGS)."
+    )
+
+
+def _parse(text: str, *, owner: str, argument: str) -> _ParsedName:
     def malformed(why: str) -> InvalidDeviceError:
         return InvalidDeviceError(
-            f"{caller}({argument}={text!r}): cannot parse the device name: {why}. Expected {_ACCEPTED_FORMS}."
+            f"{owner}({argument}={text!r}): cannot parse the device name: {why}. Expected {_ACCEPTED_FORMS}."
         )
 
     if not text.strip():

@@ -1,3 +1,3 @@
-"""The strategies themselves: the `Strategy` base, `OneDeviceStrategy`, the mesh base,
-`MirroredStrategy`, `MultiWorkerMirroredStrategy`, and test helpers. Imports every room below
-it, never `checkpoint`."""
+"""The strategies: `Strategy`, the facade, made of a placement (one device, a replicated mesh, a
+sharded mesh) and a job (this process, or a job of several); the public classes that choose the
+two; `run`'s whole path; test helpers. Imports every room below it, never `checkpoint`."""

@@ -1,7 +1,7 @@
 """`MirroredStrategy`: the same code on many local devices, as one SPMD program over a mesh.
 
-What it runs and how its values behave are `MeshStrategy`'s (`mesh.py`); this module chooses the
-devices: those of this process that the user names, checked.
+A `ReplicatedPlacement` (`replicated.py`) over the devices of this process that the user names,
+and this process alone as the job.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
-from jaxstrategy._src.core.device_spec import resolve_device
-from jaxstrategy._src.core.errors import InvalidDeviceError, caller_stacklevel
+from jaxstrategy._src.core.device_spec import resolve_devices
+from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.types import DeviceLike
-from jaxstrategy._src.strategies.mesh import MeshStrategy
+from jaxstrategy._src.strategies.job import ONE_PROCESS
+from jaxstrategy._src.strategies.replicated import ReplicatedPlacement
+from jaxstrategy._src.strategies.strategy import Strategy
 
 
-class MirroredStrategy(MeshStrategy):
+class MirroredStrategy(Strategy):
     """Synchronous training on several devices of this process: one replica per device.
 
     Code written for `OneDeviceStrategy` runs unchanged. Variables made with `put`, `init` or a
@@ -65,43 +65,8 @@ class MirroredStrategy(MeshStrategy):
                 "communicate. Leave it out.",
                 stacklevel=caller_stacklevel(),
             )
-        super().__init__(resolve_devices(devices, caller="MirroredStrategy"))
+        resolved = resolve_devices(devices, owner="MirroredStrategy")
+        super().__init__(ReplicatedPlacement(resolved, caller="MirroredStrategy()"), ONE_PROCESS)
 
     def __repr__(self) -> str:
-        return f"MirroredStrategy(devices={self._devices!r})"
-
-
-def resolve_devices(devices: Sequence[DeviceLike] | None, *, caller: str) -> tuple[jax.Device, ...]:
-    """The devices a list names (every local device for None or an empty list), checked: each
-    exists, none twice, all of one kind. `caller` is the class to name in messages."""
-    if devices is None or (isinstance(devices, list | tuple) and not devices):
-        return tuple(jax.local_devices())
-    if not isinstance(devices, list | tuple):
-        raise TypeError(
-            f"{caller}(devices={devices!r}): expected a list or tuple of devices, such as "
-            "['/gpu:0', '/gpu:1'], or None for all local devices; got a "
-            f"{type(devices).__name__}. For one device, pass a one-element list."
-        )
-    missing = [f"devices[{i}]" for i, spec in enumerate(devices) if spec is None]
-    if missing:
-        # OneDeviceStrategy(None) means the default device; in a list, None names no device.
-        raise TypeError(
-            f"{caller}(devices={list(devices)!r}): {', '.join(missing)} is None, which names "
-            "no device. List devices such as '/gpu:0', or pass devices=None for every local device."
-        )
-    resolved = tuple(
-        resolve_device(spec, caller=caller, argument=f"devices[{i}]") for i, spec in enumerate(devices)
-    )
-    repeated = sorted({repr(d) for d in resolved if resolved.count(d) > 1})
-    if repeated:
-        raise InvalidDeviceError(
-            f"{caller}(devices={list(devices)!r}): {', '.join(repeated)} is listed more than "
-            "once; each device holds one replica. List each device once."
-        )
-    platforms = sorted({d.platform for d in resolved})
-    if len(platforms) > 1:
-        raise InvalidDeviceError(
-            f"{caller}(devices={list(devices)!r}): the devices are of different kinds "
-            f"({', '.join(platforms)}); one program runs on all replicas, so use devices of one kind."
-        )
-    return resolved
+        return f"MirroredStrategy(devices={self.devices!r})"

@@ -1,7 +1,7 @@
 """`MultiWorkerShardedStrategy`: ShardedStrategy's replicas over the devices of many processes.
 
-The job is joined as `MultiWorkerMirroredStrategy` joins it (`multi_worker.JobMember`); the mesh
-is then `ShardedStrategy`'s, `('replica', 'shard'[, 'model'])`, over every device of every
+The job is joined as `MultiWorkerMirroredStrategy` joins it (`job.JobOfProcesses`); the
+placement is then `ShardedStrategy`'s, `('replica', 'shard'[, 'model'])`, over every device of every
 process. The devices are ordered host by host, then process by process, so that consecutive
 devices (one replica's) share a host's fast links: by default each host holds one replica, its
 model split over the host's devices, and the replicas are combined across hosts (the hybrid
@@ -22,16 +22,18 @@ import jax
 
 from jaxstrategy._src.cluster.coordination import every_process_value
 from jaxstrategy._src.cluster.resolver import ClusterResolver
-from jaxstrategy._src.core.device_spec import spans_processes
+from jaxstrategy._src.core.device_spec import require_same_devices_per_process, spans_processes
 from jaxstrategy._src.core.errors import InvalidDeviceError, bullet_list
-from jaxstrategy._src.strategies.multi_worker import JobMember, require_same_devices_per_process
+from jaxstrategy._src.strategies.job import JobOfProcesses
+from jaxstrategy._src.strategies.layout_rules import DEFAULT_MIN_SHARD_BYTES
 from jaxstrategy._src.strategies.sharded import ShardedStrategy
-from jaxstrategy._src.values.layouts import DEFAULT_MIN_SHARD_BYTES
+from jaxstrategy._src.strategies.sharded_placement import ShardedPlacement
+from jaxstrategy._src.strategies.strategy import Strategy
 
 _CALLER = "MultiWorkerShardedStrategy()"
 
 
-class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
+class MultiWorkerShardedStrategy(ShardedStrategy):
     """`ShardedStrategy` over the devices of several processes: models bigger than one host's
     devices' memory, or data parallel across hosts with each replica split within one.
 
@@ -105,7 +107,13 @@ class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
                 f"{_CALLER}: num_replicas must be a positive int, or None for one replica per host; "
                 f"got {num_replicas!r}."
             )
-        self._join(cluster_resolver, initialization_timeout, heartbeat_timeout_seconds, input_timeout_seconds)
+        job = JobOfProcesses.join(
+            cluster_resolver,
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            input_timeout_seconds=input_timeout_seconds,
+            caller=_CALLER,
+        )
         require_same_devices_per_process(jax.devices(), _CALLER)
         # As long as joining may take: every process reaches this point once it has joined.
         hosts = _host_of_each_process(timeout_s=initialization_timeout)
@@ -113,13 +121,21 @@ class MultiWorkerShardedStrategy(JobMember, ShardedStrategy):
         if num_replicas is None:
             num_replicas = _one_replica_per_host(devices, hosts)
         require_whole_processes(devices, num_replicas)
-        self._lay_out(devices, num_replicas, model_parallel, layout, min_shard_bytes, _CALLER)
-        self._watch_job()
+        placement = ShardedPlacement(
+            devices,
+            num_replicas=num_replicas,
+            model_parallel=model_parallel,
+            layout=layout,
+            min_shard_bytes=min_shard_bytes,
+            caller=_CALLER,
+        )
+        # Not ShardedStrategy's constructor, which takes this process's devices: the parts alone.
+        Strategy.__init__(self, placement, job)
 
     def __repr__(self) -> str:
         return (
-            f"MultiWorkerShardedStrategy(cluster_resolver={self._cluster_resolver!r}, "
-            f"num_replicas={self._num_replicas}, model_parallel={self.model_parallel}, "
+            f"MultiWorkerShardedStrategy(cluster_resolver={self.cluster_resolver!r}, "
+            f"num_replicas={self.num_replicas_in_sync}, model_parallel={self.model_parallel}, "
             f"layout={list(self._rules.rules)!r}, min_shard_bytes={self._rules.min_shard_bytes})"
         )
 
@@ -175,7 +191,7 @@ def require_whole_processes(devices: Sequence[jax.Device], num_replicas: int) ->
         across each other; the message says which counts fit.
     """
     if not spans_processes(devices) or len(devices) % num_replicas:
-        return  # One process; or `_lay_out` explains the division.
+        return  # One process; or `ShardedPlacement` explains the division.
     per_replica = len(devices) // num_replicas
     per_process = len(devices) // jax.process_count()
     if per_replica % per_process == 0 or per_process % per_replica == 0:

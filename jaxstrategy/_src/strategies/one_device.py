@@ -1,10 +1,9 @@
-"""`OneDeviceStrategy`: the whole `tf.distribute.Strategy` API on one `jax.Device`."""
+"""`OneDeviceStrategy`: the whole `tf.distribute.Strategy` API on one `jax.Device`, and its placement."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +11,11 @@ import numpy as np
 
 from jaxstrategy._src.core.device_spec import resolve_device
 from jaxstrategy._src.core.jax_compat import is_tracer
-from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
+from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn, StrategyLike
+from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.steps.spmd import REPLICA_AXIS
+from jaxstrategy._src.strategies.job import ONE_PROCESS
+from jaxstrategy._src.strategies.placement import Placement, Shardings, ValuesToCompare
 from jaxstrategy._src.strategies.strategy import Strategy
 from jaxstrategy._src.values import contexts
 from jaxstrategy._src.values.contexts import ReplicaContext, ValueContext
@@ -57,79 +59,84 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device: DeviceLike = None, *, soft_placement: bool = False):
-        self._device = resolve_device(device, soft_placement=soft_placement, caller="OneDeviceStrategy")
-        self._sharding = jax.sharding.SingleDeviceSharding(self._device)
-        self._mesh = jax.sharding.Mesh(np.array([self._device]), (REPLICA_AXIS,))
-        super().__init__()
+        resolved = resolve_device(device, soft_placement=soft_placement, owner="OneDeviceStrategy")
+        super().__init__(OneDevicePlacement(resolved), ONE_PROCESS)
 
     @property
     def device(self) -> jax.Device:
         """The `jax.Device` this strategy computes on."""
-        return self._device
+        return cast(OneDevicePlacement, self._placement).device
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         """`(device,)`: the devices of all replicas."""
-        return (self._device,)
+        return self._placement.devices
 
     @property
     def sharding(self) -> jax.sharding.SingleDeviceSharding:
         """The `SingleDeviceSharding` of the device: where variables and `run` outputs live."""
-        return self._sharding
+        return cast(OneDevicePlacement, self._placement).sharding
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         """A one-device `jax.sharding.Mesh` with the axis `'replica'`, as multi-device strategies have."""
-        return self._mesh
+        return self._placement.mesh
 
     def __repr__(self) -> str:
-        return f"OneDeviceStrategy(device={self._device!r})"
+        return f"OneDeviceStrategy(device={self.device!r})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, OneDeviceStrategy) and other._device == self._device
 
-    def __hash__(self) -> int:
-        return hash((OneDeviceStrategy, self._device))
+class OneDevicePlacement(Placement):
+    """Everything on one device: variables, inputs and outputs committed to it, one replica."""
 
-    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
-        """Return `(value,)`: with one replica, its only local result.
+    def __init__(self, device: jax.Device):
+        self.device = device
+        self._sharding = jax.sharding.SingleDeviceSharding(device)
+        self._mesh = jax.sharding.Mesh(np.array([device]), (REPLICA_AXIS,))
 
-        Example:
-          >>> import jaxstrategy
-          >>> jaxstrategy.OneDeviceStrategy().experimental_local_results({'loss': 1.0})
-          ({'loss': 1.0},)
-        """
-        return (value,)
+    @property
+    def key(self) -> Hashable:
+        return self.device
 
-    def experimental_distribute_values_from_function(
-        self, value_fn: Callable[[ValueContext], PyTree]
-    ) -> PyTree:
-        """Return `value_fn(ValueContext())` with its array-like leaves placed on the device.
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return (self.device,)
 
-        Other leaves are returned as they are. TensorFlow returns the raw result here.
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self._mesh
 
-        Raises:
-          TypeError: `value_fn` is not callable.
+    @property
+    def sharding(self) -> jax.sharding.SingleDeviceSharding:
+        return self._sharding
 
-        Example:
-          >>> import jaxstrategy
-          >>> strategy = jaxstrategy.OneDeviceStrategy()
-          >>> value = strategy.experimental_distribute_values_from_function(
-          ...     lambda context: context.num_replicas_in_sync)
-          >>> strategy.experimental_local_results(value)[0].tolist()
-          1
-        """
-        if not callable(value_fn):
-            raise TypeError(
-                "OneDeviceStrategy.experimental_distribute_values_from_function(): value_fn must be "
-                f"callable with a ValueContext; got {value_fn!r}."
-            )
-        value = value_fn(ValueContext(replica_id_in_sync_group=0, num_replicas_in_sync=1))
-        return place_tree(
-            value, self._sharding, caller="experimental_distribute_values_from_function()", static_ok=True
-        )
+    @property
+    def num_replicas(self) -> int:
+        return 1
 
-    def _replica_program(self, fn: StepFn) -> StepFn:
+    def default_device(self) -> jax.Device:
+        return self.device
+
+    def shardings_for(
+        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
+    ) -> jax.sharding.Sharding:
+        return self._sharding
+
+    def holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
+        return sharding.is_equivalent_to(self._sharding, ndim)
+
+    def run_input_shardings(self, caller: str) -> Shardings:
+        return self._sharding
+
+    @property
+    def run_output_sharding(self) -> jax.sharding.Sharding:
+        return self._sharding
+
+    @property
+    def batch_layout(self) -> ReplicaLayout:
+        return ReplicaLayout(self._sharding)
+
+    def replica_program(self, fn: StepFn, owner: StrategyLike, caller: str) -> StepFn:
         def in_replica_context(*args: Any, **kwargs: Any) -> PyTree:
             # The replica axis is bound, of size 1, so that code written for many devices
             # (`lax.psum(x, 'replica')`, `nnx.BatchNorm(axis_name='replica')`) runs here too.
@@ -144,7 +151,7 @@ class OneDeviceStrategy(Strategy):
                 for i, value in zip(traced, values, strict=True):
                     rebuilt[i] = value
                 call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
-                with contexts.entered(self, ReplicaContext(self, jnp.zeros((), jnp.int32))):
+                with contexts.entered(owner, ReplicaContext(owner, jnp.zeros((), jnp.int32))):
                     return fn(*call_args, **call_kwargs)
 
             bound = jax.vmap(replica, in_axes=None, axis_name=REPLICA_AXIS, axis_size=1)
@@ -152,19 +159,26 @@ class OneDeviceStrategy(Strategy):
 
         return in_replica_context
 
-    def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
-        return jax.default_device(self._device)
-
-    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
+    def reduce(self, op: ReduceOp, value: PyTree, axis: Any, caller: str) -> PyTree:
         if axis is None:
             return value
-        caller = "OneDeviceStrategy.reduce()"
         placed = place_tree(value, self._sharding, caller=caller, static_ok=True)
         return reduce_tree(op, placed, axis, caller=caller)  # Raises for leaves that are not arrays.
 
-    def _gather(self, value: PyTree, axis: int) -> PyTree:
-        axes_of_leaves(value, axis, caller="OneDeviceStrategy.gather()", single=True)
+    def gather(self, value: PyTree, axis: int, caller: str) -> PyTree:
+        axes_of_leaves(value, axis, caller=caller, single=True)
         return value
+
+    def local_results(self, value: PyTree, caller: str) -> tuple[PyTree, ...]:
+        return (value,)
+
+    def distribute_values(
+        self, value_fn: Callable[[ValueContext], PyTree], caller: str
+    ) -> tuple[PyTree, ValuesToCompare | None]:
+        if not callable(value_fn):
+            raise TypeError(f"{caller}: value_fn must be callable with a ValueContext; got {value_fn!r}.")
+        value = value_fn(ValueContext(replica_id_in_sync_group=0, num_replicas_in_sync=1))
+        return place_tree(value, self._sharding, caller=caller, static_ok=True), None
 
 
 # `get_strategy()` outside every scope returns a `OneDeviceStrategy` on JAX's default device.

@@ -8,7 +8,7 @@ by every user. A call takes one of two paths:
   them. The call goes straight to the function's fast entry (`StepCache.fast_entries`) once
   `fast_entry_takes` has checked what the entry cannot check itself. jit's C++ dispatch does the
   rest.
-- **The checked path** (`RunPath.checked`), for every other call: the arguments' types, the
+- **The checked path** (`RunPath.check_and_run`), for every other call: the arguments' types, the
   context, 64-bit host values, NNX objects (found once and unpacked to their state), then
   `StepCache`, which compiles what it must and publishes fast entries for later calls.
 """
@@ -16,21 +16,19 @@ by every user. A call takes one of two paths:
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 
 from jaxstrategy._src.core.tree_checks import NARROW_LEAF_TYPES, has_wide_host_leaf, require_representable
-from jaxstrategy._src.core.types import PyTree, StepFn
+from jaxstrategy._src.core.types import PyTree, StepFn, StrategyLike
 from jaxstrategy._src.input.datasets import DistributedDataset, DistributedIterator
 from jaxstrategy._src.steps import nnx_objects
 from jaxstrategy._src.steps.argument_roles import has_static_leaves
 from jaxstrategy._src.steps.cache import NeedsSlowPath, StepCache, fast_key
 from jaxstrategy._src.values import contexts
 from jaxstrategy._src.values.options import RunOptions
-
-if TYPE_CHECKING:
-    from jaxstrategy._src.strategies.strategy import Strategy
 
 _MethodType = types.MethodType
 _current_state = contexts.STATE.get
@@ -39,7 +37,7 @@ _NARROW_LEAF_TYPES = NARROW_LEAF_TYPES
 _narrow_types_include_all = NARROW_LEAF_TYPES.issuperset
 
 
-def fast_entry_takes(strategy: Strategy, args: tuple[Any, ...]) -> bool:
+def fast_entry_takes(strategy: StrategyLike, args: tuple[Any, ...]) -> bool:
     """Whether `strategy`'s fast entry of a function may be called with `args` as they are.
 
     A fast entry is the jit of a step, compiled by an earlier call of the same function with
@@ -70,19 +68,54 @@ def _nested_arguments_admit(args: tuple[Any, ...]) -> bool:
     return not nnx_objects.any_object_among(args) and not has_wide_host_leaf(args)
 
 
+class RunsSteps(Protocol):
+    """What `Strategy.run` calls: a `RunPath`, or one that a job wraps around it."""
+
+    def run(
+        self,
+        fn: StepFn,
+        args: Any = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> PyTree: ...
+
+
 class RunPath:
-    """`Strategy.run` of one strategy: `path.run(fn, args, kwargs, options)`."""
+    """`Strategy.run` of one strategy: `path.run(fn, args, kwargs, options)`.
 
-    __slots__ = ("_caller", "_fast_entries", "_layout_may_change", "_steps", "_strategy")
+    Args:
+      strategy: the strategy whose context `run` requires (its scope, or none, outside `run`).
+      steps: the strategy's compiled steps.
+      before_checked_path: what the checked path calls first (the job's check that no process
+        has ended), with `caller`.
+      caller: `run` as the user wrote it, such as `MirroredStrategy.run()`.
+    """
 
-    def __init__(self, strategy: Strategy, steps: StepCache):
+    __slots__ = (
+        "_before_checked_path",
+        "_caller",
+        "_fast_entries",
+        "_layout_may_change",
+        "_steps",
+        "_strategy",
+    )
+
+    def __init__(
+        self,
+        strategy: StrategyLike,
+        steps: StepCache,
+        *,
+        before_checked_path: Callable[[str], None],
+        caller: str,
+    ):
         self._strategy = strategy
         self._steps = steps
         self._fast_entries = steps.fast_entries
         # A fast entry's ValueError may mean "not this layout" (then take the checked path)
         # only where the layout depends on the arguments; elsewhere it is the step's own error.
         self._layout_may_change = steps.layout_depends_on_arguments
-        self._caller = f"{type(strategy).__name__}.run()"
+        self._before_checked_path = before_checked_path
+        self._caller = caller
 
     def run(
         self,
@@ -117,17 +150,17 @@ class RunPath:
                         except (NeedsSlowPath, TypeError, ValueError) as error:
                             if not self._entry_refused(error, args):
                                 raise
-            return self.checked(fn, args, kwargs, options)
+            return self.check_and_run(fn, args, kwargs, options)
         except _PYTHON_CONTROL_ON_A_TRACED_VALUE as error:
             error.add_note(_STATIC_ARGUMENTS_HINT.format(caller=self._caller))
             raise
 
-    def checked(
+    def check_and_run(
         self, fn: StepFn, args: Any, kwargs: dict[str, Any] | None, options: RunOptions | None
     ) -> PyTree:
         """`run` for any call: check it, unpack NNX objects, then compile or call the step."""
-        self._strategy._before_checked_run()
         caller = self._caller
+        self._before_checked_path(caller)
         if not callable(fn):
             raise TypeError(f"{caller}: fn must be callable; got {fn!r}.")
         if type(args) is not tuple:

@@ -1,56 +1,32 @@
 """`ShardedStrategy`: per-replica code over models split across each replica's devices.
 
-The devices form a mesh `('replica', 'shard')` of R x S, both axes left to the compiler (Auto).
-Each replica is a row of S consecutive devices and holds the whole model, each large leaf split
-over its S devices (`values/layouts.py` decides how). `run` is `MeshStrategy`'s program with only
-the replica axis manual: inside `fn` every variable has its full shape and XLA gathers and
-reduces over `'shard'`, while `all_reduce`, `all_gather` and `replica_id_in_sync_group` act over
-the replicas, as on `MirroredStrategy`. This is TensorFlow's `TPUStrategy` with SPMD partitioning,
-on any backend; TensorFlow's DTensor-backed `MirroredStrategy` instead ran `fn` once, globally, and
-had no replica context.
-
-Layouts stay put: `put`, `init` and `run` place every leaf by the same rules, and an output of
-`run` or `init` that ends with an input's path and has its shape is laid out as that input, so a
-step returns its parameters and optimizer state where they were, and compiles once.
+A `ShardedPlacement` (`sharded_placement.py`) over this process's devices, and this process
+alone as the job. This is TensorFlow's `TPUStrategy` with SPMD partitioning, on any backend: each
+replica runs `fn` on its batch while XLA splits the replica's work over its devices.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from jaxstrategy._src.core.device_spec import spans_processes
-from jaxstrategy._src.core.errors import format_argument_path, format_path
-from jaxstrategy._src.core.jax_compat import is_tracer
-from jaxstrategy._src.core.types import DeviceLike, PyTree, StepFn
-from jaxstrategy._src.steps import nnx_objects
-from jaxstrategy._src.steps.cache import traced_input_layout
-from jaxstrategy._src.steps.spmd import REPLICA_AXIS
-from jaxstrategy._src.strategies.mesh import MeshStrategy
-from jaxstrategy._src.strategies.mirrored import resolve_devices
-from jaxstrategy._src.strategies.strategy import get_strategy
-from jaxstrategy._src.values.layouts import (
+from jaxstrategy._src.core.device_spec import resolve_devices, spans_processes
+from jaxstrategy._src.core.types import DeviceLike, PyTree
+from jaxstrategy._src.strategies.job import ONE_PROCESS
+from jaxstrategy._src.strategies.layout_rules import (
     DEFAULT_MIN_SHARD_BYTES,
-    MODEL_AXIS,
-    SHARD_AXIS,
     LayoutDescription,
     LayoutRules,
-    LeafLayout,
     as_spec,
-    declared_spec,
-    follow_spec,
-    path_string,
 )
-from jaxstrategy._src.values.per_replica import PerReplica, check_replica_count
+from jaxstrategy._src.strategies.sharded_placement import ShardedPlacement
+from jaxstrategy._src.strategies.strategy import Strategy, get_strategy
 
 
-class ShardedStrategy(MeshStrategy):
+class ShardedStrategy(Strategy):
     """Synchronous training of models bigger than one device: replicas of S devices each.
 
     The devices are split into `num_replicas` groups of S consecutive devices. Each group is one
@@ -123,106 +99,63 @@ class ShardedStrategy(MeshStrategy):
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ):
         caller = "ShardedStrategy()"
-        resolved = resolve_devices(devices, caller="ShardedStrategy")
+        resolved = resolve_devices(devices, owner="ShardedStrategy")
         if spans_processes(resolved):
             raise ValueError(
                 f"{caller}: the devices span several processes; a ShardedStrategy holds one "
                 "process's devices. Use MultiWorkerShardedStrategy for a job of several processes, "
                 "or pass this process's devices (jax.local_devices())."
             )
-        self._lay_out(
-            resolved, num_replicas, model_parallel, layout, min_shard_bytes, caller, devices_given=True
+        placement = ShardedPlacement(
+            resolved,
+            num_replicas=num_replicas,
+            model_parallel=model_parallel,
+            layout=layout,
+            min_shard_bytes=min_shard_bytes,
+            caller=caller,
+            devices_given=True,
         )
-
-    def _lay_out(
-        self,
-        devices: tuple[jax.Device, ...],
-        num_replicas: int,
-        model_parallel: int,
-        layout: Sequence[tuple[str, Any]] | None,
-        min_shard_bytes: int,
-        caller: str,
-        *,
-        devices_given: bool = False,
-    ) -> None:
-        """Make the mesh: `devices`, in replica order, as `num_replicas` rows of S x M
-        (`devices_given`: the user chose them, and may choose others)."""
-        for name, value in (("num_replicas", num_replicas), ("model_parallel", model_parallel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{caller}: {name} must be a positive int; got {value!r}.")
-        if len(devices) % num_replicas:
-            raise ValueError(
-                f"{caller}: num_replicas={num_replicas} does not divide the {len(devices)} devices; "
-                "each replica is a group of equally many devices. Choose num_replicas among "
-                f"{_divisors(len(devices))}"
-                + (f", or pass devices= with a multiple of {num_replicas} devices." if devices_given else ".")
-            )
-        per_replica = len(devices) // num_replicas
-        if per_replica % model_parallel:
-            raise ValueError(
-                f"{caller}: model_parallel={model_parallel} does not divide the {per_replica} devices "
-                f"of each replica ({len(devices)} devices, num_replicas={num_replicas}); the 'model' "
-                f"axis splits each replica's devices. Choose model_parallel among "
-                f"{_divisors(per_replica)}, or fewer replicas."
-            )
-        shards = per_replica // model_parallel
-        self._rules = LayoutRules(
-            layout, shards=shards, model=model_parallel, min_shard_bytes=min_shard_bytes, caller=caller
-        )
-        axes = (REPLICA_AXIS, SHARD_AXIS, MODEL_AXIS) if model_parallel > 1 else (REPLICA_AXIS, SHARD_AXIS)
-        grid = np.array(devices, dtype=object).reshape(num_replicas, shards, model_parallel)
-        if model_parallel == 1:
-            grid = grid[..., 0]
-        auto = (jax.sharding.AxisType.Auto,) * len(axes)
-        super().__init__(devices, jax.sharding.Mesh(grid, axes, axis_types=auto))
-        self._replica_meshes = tuple(jax.sharding.Mesh(row, axes[1:], axis_types=auto[1:]) for row in grid)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(devices={self._devices!r}, num_replicas={self._num_replicas}, "
-            f"model_parallel={self._rules.model}, layout={list(self._rules.rules)!r}, "
-            f"min_shard_bytes={self._rules.min_shard_bytes})"
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._key == self._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
+        super().__init__(placement, ONE_PROCESS)
 
     @property
-    def _key(self) -> Hashable:
-        # P(None) is P(): specs compare without their trailing Nones.
-        rules = tuple((source, _without_trailing_nones(spec)) for source, spec in self._rules.rules)
-        return (self._devices, self._num_replicas, self._rules.model, rules, self._rules.min_shard_bytes)
+    def _rules(self) -> LayoutRules:
+        return cast(ShardedPlacement, self._placement).rules
+
+    def __repr__(self) -> str:
+        rules = self._rules
+        return (
+            f"{type(self).__name__}(devices={self.devices!r}, num_replicas={self.num_replicas_in_sync}, "
+            f"model_parallel={rules.model}, layout={list(rules.rules)!r}, "
+            f"min_shard_bytes={rules.min_shard_bytes})"
+        )
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
         """Every device, replica by replica: replica i holds `devices[i*D:(i+1)*D]`, where D is
         `devices_per_replica` (S x M)."""
-        return self._devices
+        return self._placement.devices
 
     @property
     def devices_per_replica(self) -> int:
         """S x M, the devices each replica's variables are split over."""
-        return self._rules.devices_per_replica
+        return int(self._rules.devices_per_replica)
 
     @property
     def model_parallel(self) -> int:
         """M, the size of the `'model'` axis (1: no tensor parallelism)."""
-        return self._rules.model
+        return int(self._rules.model)
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
         """The `jax.sharding.Mesh` of the devices, axes `('replica', 'shard')`, all Auto; with
         `model_parallel` above 1, `('replica', 'shard', 'model')`."""
-        return self._mesh
+        return self._placement.mesh
 
     @property
     def sharding(self) -> NamedSharding:
         """`NamedSharding(mesh, P())`: replicated on every device. Variables are laid out leaf by
         leaf instead: see `layout_of`."""
-        return self._sharding
+        return cast(NamedSharding, self._placement.sharding)
 
     def layout_of(self, tree: PyTree) -> PyTree:
         """The sharding of each leaf of `tree` (arrays, `jax.ShapeDtypeStruct`s, Flax NNX
@@ -236,10 +169,7 @@ class ShardedStrategy(MeshStrategy):
           >>> tuple(layout['w'].spec), tuple(layout['b'].spec)
           (('shard', None), ())
         """
-        tree = _with_states(tree)
-        units, treedef = _units(tree)
-        leaves = [self._unit_sharding(path, unit, "ShardedStrategy.layout_of()") for path, unit in units]
-        return jax.tree.unflatten(treedef, leaves)
+        return cast(ShardedPlacement, self._placement).layout_of(tree, f"{type(self).__name__}.layout_of()")
 
     def describe_layout(self, tree: PyTree) -> LayoutDescription:
         """A table of how `tree`'s leaves are laid out: path, shape, spec, bytes per device and
@@ -258,270 +188,9 @@ class ShardedStrategy(MeshStrategy):
           w     float32[8, 6]  ('shard', None)  96 B        default: largest dimension 2 divides
           per device: 120 B of 216 B replicated (56%), over 2 devices per replica
         """
-        caller = "ShardedStrategy.describe_layout()"
-        tree = _with_states(tree)
-        units, _ = _units(tree)
-        rows = []
-        for path, unit in units:
-            if isinstance(unit, PerReplica):
-                continue
-            rows.append(self._leaf_layout(path, unit, caller))
-        unmatched = self._rules.unmatched_rules([path for path, _ in units])
-        return LayoutDescription(tuple(rows), self.devices_per_replica, tuple(unmatched))
-
-    # Hooks of Strategy and MeshStrategy.
-
-    @property
-    def _run_input_shardings(self) -> Callable[[PyTree], PyTree]:
-        return functools.partial(self._inputs_layout, caller="ShardedStrategy.run()")
-
-    @property
-    def _run_layout_key(self) -> Callable[[PyTree], Hashable]:
-        # Where an array already on the mesh is laid out, it stays (its sharding is its layout),
-        # which a trace cannot see: jit itself refuses a committed array laid out otherwise, and
-        # `run` then takes the slow path. What the trace must still check is which leaves are
-        # PerReplicas, which the tree's structure says.
-        return jax.tree.structure
-
-    @property
-    def _init_input_shardings(self) -> Callable[[PyTree], PyTree]:
-        return functools.partial(self._inputs_layout, caller="ShardedStrategy.init()")
-
-    @property
-    def _init_output_sharding(self) -> None:
-        return None  # `_init_program` lays each output out.
-
-    def _replica_program(self, fn: StepFn) -> StepFn:
-        return self._laying_out(super()._replica_program(fn), caller="ShardedStrategy.run()")
-
-    def _init_program(self, fn: StepFn) -> StepFn:
-        return self._laying_out(self._cross_replica_program(fn), caller="ShardedStrategy.init()")
-
-    def _shardings_for(
-        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
-    ) -> PyTree:
-        describe = describe or functools.partial(format_path, "tree")
-        check_replica_count(tree, self._num_replicas, caller=caller, describe=describe)
-        units, treedef = _units(tree)
-        self._rules.warn_unmatched([path for path, _ in units], caller)
-        return jax.tree.unflatten(treedef, [self._unit_sharding(path, unit, caller) for path, unit in units])
-
-    def _local_copies(self, leaf: Any) -> tuple[Any, ...]:
-        if (
-            isinstance(leaf, PerReplica)
-            and isinstance(leaf.stacked, jax.Array)
-            and not is_tracer(leaf.stacked)
-        ):
-            stacked = leaf.stacked
-            if not self._on_mesh(stacked) or not _split_only_within(stacked, stacked_first=True):
-                stacked = jax.device_put(stacked, self._stacked_sharding)
-            return tuple(
-                self._part_on_replica(stacked, i, stacked_first=True) for i in self._local_replica_ids
-            )
-        if isinstance(leaf, jax.Array) and not is_tracer(leaf) and self._on_mesh(leaf):
-            if _split_only_within(leaf, stacked_first=False):
-                return tuple(
-                    self._part_on_replica(leaf, i, stacked_first=False) for i in self._local_replica_ids
-                )
-        return super()._local_copies(leaf)
-
-    def _assemble_components(self, parts: list[jax.Array]) -> jax.Array:
-        # Each part, on the replica's first device here, copied to its other devices here (a
-        # replica spanning processes gets the rest from the others); the stacked array is made
-        # of those copies, without a trip through the host.
-        pieces = []
-        here = jax.process_index()
-        for replica, part in zip(self._local_replica_ids, parts, strict=True):
-            for device in self._replica_meshes[replica].devices.flat:
-                if device.process_index == here:
-                    pieces.append(jax.device_put(part, device)[None])
-        shape = (self._num_replicas, *parts[0].shape)
-        return jax.make_array_from_single_device_arrays(shape, self._stacked_sharding, pieces)
-
-    def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
-        return (
-            isinstance(sharding, NamedSharding)
-            and sharding.mesh == self._mesh
-            and _split_only_within_spec(tuple(sharding.spec), stacked_first=False)
+        return cast(ShardedPlacement, self._placement).describe_layout(
+            tree, f"{type(self).__name__}.describe_layout()"
         )
-
-    # Helpers.
-
-    def _leaf_layout(
-        self, path: Sequence[Any], leaf: Any, caller: str, follows: tuple[PartitionSpec, str] | None = None
-    ) -> LeafLayout:
-        declared = None
-        if nnx_objects.is_variable(leaf):
-            declared = declared_spec(leaf, path_string(path), caller)
-            leaf = leaf.get_raw_value()
-        shape, dtype = _shape_and_dtype(leaf)
-        return self._rules.leaf(path, shape, dtype, declared=declared, follows=follows, caller=caller)
-
-    def _unit_sharding(self, path: Sequence[Any], unit: Any, caller: str) -> NamedSharding:
-        """Where a leaf goes by the rules; a PerReplica's components whole on their replicas."""
-        if isinstance(unit, PerReplica):
-            return self._stacked_sharding
-        return NamedSharding(self._mesh, self._leaf_layout(path, unit, caller).spec)
-
-    def _inputs_layout(self, args_and_kwargs: PyTree, *, caller: str) -> PyTree:
-        """Where `run` and `init` place their inputs: an array already on this mesh where it is,
-        anything else by the rules (a PerReplica split over the replicas)."""
-        check_replica_count(args_and_kwargs, self._num_replicas, caller=caller, describe=format_argument_path)
-        units, treedef = _units(args_and_kwargs)
-        shardings = []
-        for path, unit in units:
-            array = unit.stacked if isinstance(unit, PerReplica) else unit
-            if isinstance(array, jax.Array) and not is_tracer(array) and self._on_mesh(array):
-                shardings.append(array.sharding)
-            else:  # By the rules, the path past the argument.
-                shardings.append(self._unit_sharding(path[2:], unit, caller))
-        return jax.tree.unflatten(treedef, shardings)
-
-    def _laying_out(self, program: StepFn, *, caller: str) -> StepFn:
-        """`program`, its outputs constrained to their layouts (see `_lay_out_outputs`)."""
-
-        def laid_out(*args: Any, **kwargs: Any) -> PyTree:
-            return self._lay_out_outputs(program(*args, **kwargs), (args, kwargs), caller=caller)
-
-        return laid_out
-
-    def _lay_out_outputs(self, outputs: PyTree, inputs: PyTree, *, caller: str) -> PyTree:
-        """`outputs` constrained to their layouts: each after the input it replaces, else by the
-        rules; a PerReplica's components whole on their replicas."""
-        followed = self._traced_inputs(inputs)
-        units, treedef = _units(outputs)
-        laid_out = []
-        for path, unit in units:
-            if isinstance(unit, PerReplica):
-                stacked = jax.lax.with_sharding_constraint(unit.stacked, self._stacked_sharding)
-                laid_out.append(PerReplica(stacked))
-                continue
-            shape = tuple(np.shape(unit))
-            spec = self._leaf_layout(path, unit, caller, follows=follow_spec(path, shape, followed)).spec
-            laid_out.append(jax.lax.with_sharding_constraint(unit, NamedSharding(self._mesh, spec)))
-        return jax.tree.unflatten(treedef, laid_out)
-
-    def _traced_inputs(self, inputs: PyTree) -> list[tuple[Sequence[Any], tuple[int, ...], PartitionSpec]]:
-        """The whole-array inputs of the step being traced: path (past the argument), shape and
-        the spec they were placed with."""
-        announced = traced_input_layout()
-        if announced is None:
-            return []
-        units, _ = _units(inputs)
-        if isinstance(announced, jax.sharding.Sharding):
-            shardings = [announced] * len(units)
-        else:
-            shardings = jax.tree.leaves(announced)
-            if len(shardings) != len(units):
-                return []
-        found = []
-        for (path, unit), sharding in zip(units, shardings, strict=True):
-            if isinstance(unit, PerReplica) or not hasattr(unit, "shape"):
-                continue
-            if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
-                found.append((path[2:], tuple(unit.shape), sharding.spec))
-        return found
-
-    def _part_on_replica(self, array: jax.Array, replica: int, *, stacked_first: bool) -> jax.Array:
-        """Replica `replica`'s part of `array` (its component when `stacked_first`, else its
-        copy), on that replica's devices, laid out as there. Of a replica spanning processes,
-        a value this process holds whole comes back on this process's devices of it; one split
-        between the processes, over all of them (this process holding its own blocks)."""
-        mesh = self._replica_meshes[replica]
-        spec = tuple(_spec(array))
-        by_device = {shard.device: shard.data for shard in array.addressable_shards}
-        if stacked_first:
-            spec = spec[1:]
-        local = [d for d in mesh.devices.flat if d in by_device]
-        if len(local) < mesh.devices.size:
-            mesh, spec = _held_here(mesh, spec, by_device)
-            local = [d for d in mesh.devices.flat if d in by_device]
-        blocks = [by_device[d] for d in local]
-        if stacked_first:
-            blocks = [block.reshape(block.shape[1:]) for block in blocks]
-        shape = array.shape[1:] if stacked_first else array.shape
-        return jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(mesh, PartitionSpec(*spec)), blocks
-        )
-
-
-def _held_here(
-    mesh: jax.sharding.Mesh, spec: tuple[Any, ...], by_device: dict[jax.Device, Any]
-) -> tuple[jax.sharding.Mesh, tuple[Any, ...]]:
-    """Of a replica's `mesh` that spans processes, the part this process holds (`by_device`'s
-    devices) where the value laid out by `spec` is whole there; else `mesh` and `spec`.
-
-    This process's devices of a replica are whole rows of its mesh (a process's devices are
-    consecutive, and every replica is made of whole processes); the value is whole on them when
-    every axis `spec` names is within the rows, all of it held here.
-    """
-    grid = mesh.devices
-    rows = [row for row in range(grid.shape[0]) if all(d in by_device for d in grid[row : row + 1].flat)]
-    named = {n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None}
-    if rows and not (mesh.axis_names[0] in named and len(rows) < grid.shape[0]):
-        return jax.sharding.Mesh(grid[rows], mesh.axis_names, axis_types=mesh.axis_types), spec
-    if named:  # Split between the processes.
-        return mesh, spec
-    # Whole, over a 'model' axis wider than a process's devices: on those.
-    local = [d for d in grid.flat if d in by_device]
-    return jax.sharding.Mesh(np.array(local), (SHARD_AXIS,)), ()
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _without_trailing_nones(spec: PartitionSpec) -> tuple[Any, ...]:
-    entries = tuple(spec)
-    while entries and entries[-1] is None:
-        entries = entries[:-1]
-    return entries
-
-
-def _split_only_within(array: jax.Array, *, stacked_first: bool) -> bool:
-    """Whether `array` (on a sharded strategy's mesh) is split over `'replica'` only along its
-    first axis when `stacked_first`, and not at all otherwise."""
-    return _split_only_within_spec(tuple(_spec(array)), stacked_first=stacked_first)
-
-
-def _spec(array: jax.Array) -> PartitionSpec:
-    """The spec of an array on a mesh (`_on_mesh` said so: its sharding is a NamedSharding)."""
-    sharding = array.sharding
-    assert isinstance(sharding, NamedSharding)
-    return sharding.spec
-
-
-def _split_only_within_spec(spec: tuple[Any, ...], *, stacked_first: bool) -> bool:
-    names = [
-        [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None] for entry in spec
-    ]
-    if stacked_first:
-        return bool(names) and names[0] == [REPLICA_AXIS] and all(REPLICA_AXIS not in n for n in names[1:])
-    return all(REPLICA_AXIS not in n for n in names)
-
-
-def _units(tree: PyTree) -> tuple[list[tuple[Any, Any]], Any]:
-    """`tree`'s leaves with their paths, a PerReplica or an NNX Variable counting as one."""
-    return jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, PerReplica) or nnx_objects.is_variable(x)
-    )
-
-
-def _with_states(tree: PyTree) -> PyTree:
-    found = nnx_objects.find_objects(tree)
-    return tree if found is None else nnx_objects.with_states(found)
-
-
-def _shape_and_dtype(leaf: Any) -> tuple[tuple[int, ...], Any]:
-    """The shape and the dtype JAX stores `leaf` as (float32 for a float64 numpy array, with
-    64-bit types off): what a device holds."""
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        shape, dtype = tuple(leaf.shape), leaf.dtype
-    else:
-        shape, dtype = tuple(np.shape(leaf)), np.asarray(leaf).dtype
-    if jnp.issubdtype(dtype, jax.dtypes.extended):
-        return shape, dtype  # PRNG keys: JAX's own.
-    return shape, jax.dtypes.canonicalize_dtype(dtype)
 
 
 def with_sharding_constraint(x: PyTree, spec: Any) -> PyTree:
@@ -557,15 +226,5 @@ def with_sharding_constraint(x: PyTree, spec: Any) -> PyTree:
       >>> float(total)
       48.0
     """
-    caller = "jaxstrategy.with_sharding_constraint()"
-    spec = as_spec(spec, where="the activation", caller=caller)
-    strategy = get_strategy()
-    if not isinstance(strategy, ShardedStrategy):
-        return x
-    spec = strategy._rules.on_mesh(spec)
-    context = jax.sharding.get_abstract_mesh()
-    # Inside `run`'s shard_map the mesh in context is the strategy's, its replica axis manual: a
-    # bare spec refers to it, where a sharding over the (all Auto) mesh would not match it.
-    in_replica = not context.empty and context.axis_names == strategy.mesh.axis_names
-    target = spec if in_replica else NamedSharding(strategy.mesh, spec)
-    return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, target), x)
+    spec = as_spec(spec, where="the activation", caller="jaxstrategy.with_sharding_constraint()")
+    return get_strategy()._placement.constrain(x, spec)

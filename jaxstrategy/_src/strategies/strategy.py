@@ -1,15 +1,12 @@
 """`Strategy`: the TensorFlow-shaped methods every strategy shares, as thin checked facades.
 
 Each method checks its arguments and context eagerly (before anything is traced), then hands
-off to module-level functions or to the two hooks a concrete strategy supplies: how to reduce
-and gather its values across replicas.
+off to module-level functions or to the strategy's two parts: its placement and its job.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -17,7 +14,6 @@ from typing import Any, cast
 
 import jax
 
-from jaxstrategy._src.core.device_spec import canonical_name
 from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input import datasets
@@ -25,8 +21,9 @@ from jaxstrategy._src.input.datasets import DistributedDataset
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.steps import nnx_objects
 from jaxstrategy._src.steps.cache import NeedsSlowPath, StepCache
-from jaxstrategy._src.steps.in_flight import InFlightLimit
-from jaxstrategy._src.strategies.run_path import RunPath
+from jaxstrategy._src.strategies.job import Job, StrategyExtended
+from jaxstrategy._src.strategies.placement import Placement
+from jaxstrategy._src.strategies.run_path import RunPath, RunsSteps
 from jaxstrategy._src.values import contexts
 from jaxstrategy._src.values.contexts import InputContext, ReplicaContext, ValueContext
 from jaxstrategy._src.values.options import InputOptions, RunOptions
@@ -34,214 +31,109 @@ from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op
 from jaxstrategy._src.values.variables import place_tree
 
 
-@dataclasses.dataclass(frozen=True)
-class StrategyExtended:
-    """`strategy.extended`: TensorFlow's read-only facts about a strategy's devices and roles.
+class Strategy:
+    """The `tf.distribute.Strategy` API over JAX devices; see `OneDeviceStrategy`.
 
-    Attributes:
-      worker_devices: the compute devices, as TensorFlow's canonical names.
-      parameter_devices: where variables live, as TensorFlow's canonical names.
-      experimental_between_graph: always False (one program drives every device).
-      experimental_should_init: whether this process initialises variables.
-      should_checkpoint: whether this process should save checkpoints.
-      should_save_summary: whether this process should write summaries.
-      experimental_require_static_shapes: False; JAX compiles one program per shape.
-
-    Example:
-      >>> import jaxstrategy
-      >>> extended = jaxstrategy.OneDeviceStrategy('/cpu:0').extended
-      >>> extended.worker_devices, extended.should_checkpoint
-      (('/job:localhost/replica:0/task:0/device:CPU:0',), True)
+    A strategy is a placement (where values live, how trees are laid out, what a replica runs:
+    `placement.py`) and a job (who takes part: `job.py`). Its methods check their arguments and
+    context, then hand the work to those two parts; the public classes choose them.
     """
 
-    worker_devices: tuple[str, ...]
-    parameter_devices: tuple[str, ...]
-    experimental_between_graph: bool = False
-    experimental_should_init: bool = True
-    should_checkpoint: bool = True
-    should_save_summary: bool = True
-    experimental_require_static_shapes: bool = False
-
-
-class Strategy(abc.ABC):
-    """The `tf.distribute.Strategy` API over JAX devices; see `OneDeviceStrategy`."""
-
-    # `run`'s and `init`'s compiled steps are built on first use, not in `__init__`: they read
-    # the hooks below, which read a subclass's fields, so a subclass's `__init__` may set those
-    # before or after calling `super().__init__()`. `cached_property` stores each in the
-    # instance's `__dict__`, where later look-ups find it as fast as a plain attribute; the
-    # `setdefault` keeps one cache per strategy where threads race to build it (Python 3.12's
-    # `cached_property` no longer locks).
-
-    @functools.cached_property
-    def _run_steps(self) -> StepCache:
-        steps = StepCache(
-            in_shardings=self._run_input_shardings,
-            out_shardings=self._run_output_sharding,
+    def __init__(self, placement: Placement, job: Job):
+        self._placement = placement
+        self._job = job
+        name = type(self).__name__
+        job.take_part(placement, name)
+        caller = f"{name}.run()"
+        self._run_steps = StepCache(
+            in_shardings=placement.run_input_shardings(caller),
+            out_shardings=placement.run_output_sharding,
             program=self._run_program,
-            caller=f"{type(self).__name__}.run()",
-            in_flight_limit=self._run_in_flight_limit,
-            layout_key=self._run_layout_key,
+            caller=caller,
+            in_flight_limit=placement.in_flight_limit,
+            layout_key=placement.run_layout_key,
         )
-        return self.__dict__.setdefault("_run_steps", steps)
-
-    @functools.cached_property
-    def _run_path(self) -> RunPath:
-        """`run`'s whole path (strategies/run_path.py)."""
-        return self.__dict__.setdefault("_run_path", RunPath(self, self._run_steps))
+        self._run_path: RunsSteps = job.run_path(
+            RunPath(self, self._run_steps, before_checked_path=job.before_checked_run, caller=caller)
+        )
+        caller = f"{name}.init()"
+        self._init_steps = StepCache(
+            in_shardings=placement.init_input_shardings(caller),
+            out_shardings=placement.init_output_sharding,
+            program=functools.partial(placement.init_program, owner=self, caller=caller),
+            caller=caller,
+            scalars_are_static=True,
+        )
 
     def _run_program(self, fn: StepFn) -> StepFn:
-        """`_replica_program(fn)`, refusing, when traced, NNX objects nested in the arguments.
+        """What `run` compiles of `fn`: the placement's replica program, seen by the job's program
+        check, refusing, when traced, NNX objects nested in the arguments.
 
         `run`'s hot path looks at the top-level arguments only (it runs every step); a Module
         inside a dict would reach a step compiled for arrays as a plain pytree, and its updates
         would be lost. This check costs nothing per step: it runs when a call traces.
         """
-        program = self._replica_program(fn)
+        caller = f"{type(self).__name__}.run()"
+        program = self._job.traced_program(fn, self._placement.replica_program(fn, self, caller))
 
-        def checked(*args: Any, **kwargs: Any) -> PyTree:
+        def refusing_nested_objects(*args: Any, **kwargs: Any) -> PyTree:
             if nnx_objects.find_objects((args, kwargs)) is not None:
                 raise NeedsSlowPath("NNX objects among the arguments: run unpacks them.")
             return program(*args, **kwargs)
 
-        return checked
+        return refusing_nested_objects
 
-    @functools.cached_property
-    def _init_steps(self) -> StepCache:
-        steps = StepCache(
-            in_shardings=self._init_input_shardings,
-            out_shardings=self._init_output_sharding,
-            program=self._init_program,
-            caller=f"{type(self).__name__}.init()",
-            scalars_are_static=True,
-        )
-        return self.__dict__.setdefault("_init_steps", steps)
-
-    # What a concrete strategy supplies.
-
-    @property
-    @abc.abstractmethod
-    def devices(self) -> tuple[jax.Device, ...]:
-        """The devices this strategy computes on, one per replica."""
-
-    @property
-    @abc.abstractmethod
-    def sharding(self) -> jax.sharding.Sharding:
-        """The sharding of variables: where `put` and `init` place their results."""
-
-    @abc.abstractmethod
-    def _replica_program(self, fn: StepFn) -> StepFn:
-        """Wrap `fn` into what `run` compiles: `fn` on every replica, in its replica context."""
-
-    @property
-    def _run_input_shardings(self) -> jax.sharding.Sharding | Callable[[PyTree], PyTree]:
-        """Where `run` places its inputs: one sharding for all, or a function of `(args, kwargs)`
-        returning a sharding or a tree of them (see `StepCache`)."""
-        return self.sharding
-
-    def _shardings_for(
-        self, tree: PyTree, *, caller: str, describe: Callable[[Any], str] | None = None
-    ) -> jax.sharding.Sharding | PyTree:
-        """Where `put` (and `run`, unless `_run_input_shardings` says otherwise) places the leaves
-        of `tree`: one sharding for all, or a tree of them shaped like `tree`. `caller` and
-        `describe` (a leaf's key path to its name) are for messages about bad leaves."""
-        return self.sharding
-
-    def _holds_variables_with(self, sharding: jax.sharding.Sharding, ndim: int) -> bool:
-        """Whether an array of `ndim` dimensions laid out by `sharding` is placed as this
-        strategy places variables."""
-        return sharding.is_equivalent_to(self.sharding, ndim)
-
-    @property
-    def _run_layout_key(self) -> Callable[[PyTree], Any] | None:
-        """What a step compiled for one input layout checks of another call's `(args, kwargs)`,
-        when `_run_input_shardings` depends on where arrays are; None: the layout itself."""
-        return None
-
-    @property
-    def _init_input_shardings(self) -> jax.sharding.Sharding | Callable[[PyTree], PyTree]:
-        """Where `init` places its inputs (as `_run_input_shardings`)."""
-        return self.sharding
-
-    @property
-    def _init_output_sharding(self) -> jax.sharding.Sharding | None:
-        """Where `init` commits its outputs; None when `_init_program` places them."""
-        return self.sharding
-
-    def _init_program(self, fn: StepFn) -> StepFn:
-        """What `init` compiles: `fn` in the cross-replica context."""
-        return self._cross_replica_program(fn)
-
-    @property
-    def _run_output_sharding(self) -> jax.sharding.Sharding | None:
-        """Where `run` commits its outputs; None when `_replica_program` places them."""
-        return self.sharding
-
-    @property
-    def _batch_layout(self) -> ReplicaLayout:
-        """How distributed datasets lay batches out over the replicas."""
-        return ReplicaLayout(self.sharding)
-
-    @property
-    def _input_pipeline(self) -> tuple[int, int]:
-        """`(num_input_pipelines, input_pipeline_id)` of this process's one pipeline."""
-        return 1, 0
-
-    @property
-    def _run_in_flight_limit(self) -> InFlightLimit | None:
-        """What bounds the `run` steps queued at once (None: nothing); see `InFlightLimit`."""
-        return None
-
-    def _before_checked_run(self) -> None:  # noqa: B027 (a hook that does nothing by default)
-        """What `run` does first on its checked path (compiling, a call the hot path does not
-        take), before checking anything: nothing here."""
-
-    def _cross_replica_program(self, fn: StepFn) -> StepFn:
-        def in_cross_replica_context(*args: Any, **kwargs: Any) -> PyTree:
-            with contexts.entered(self):
-                return fn(*args, **kwargs)
-
-        return in_cross_replica_context
-
-    @abc.abstractmethod
     def _default_device_scope(self) -> contextlib.AbstractContextManager[Any]:
-        """Make arrays created in `scope()` land on this strategy's device(s)."""
+        """Make arrays created in `scope()` land on this strategy's device (`StrategyLike`)."""
+        return jax.default_device(self._placement.default_device())
 
-    @abc.abstractmethod
-    def _reduce(self, op: ReduceOp, value: PyTree, axis: Any) -> PyTree:
-        """Reduce checked arguments across replicas (and along `axis` when not None)."""
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._placement.key == self._placement.key
 
-    @abc.abstractmethod
-    def _gather(self, value: PyTree, axis: int) -> PyTree:
-        """Concatenate the replicas' values of `value` along `axis`."""
+    def __hash__(self) -> int:
+        return hash((type(self), self._placement.key))
 
-    @abc.abstractmethod
-    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
-        """Return the values of `value` on this process's replicas, as a tuple."""
+    # The facts.
 
-    @abc.abstractmethod
-    def experimental_distribute_values_from_function(
-        self, value_fn: Callable[[ValueContext], PyTree]
-    ) -> PyTree:
-        """Call `value_fn` for each replica with its `ValueContext` and distribute the results."""
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices this strategy computes on, in replica order."""
+        return self._placement.devices
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where a value held whole by every replica lives (variables, on the strategies that
+        do not split them)."""
+        return self._placement.sharding
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The `jax.sharding.Mesh` of the devices; its first axis is `'replica'`."""
+        return self._placement.mesh
 
     # Shared behaviour.
 
     @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas over which gradients are aggregated."""
-        return len(self.devices)
+        return self._placement.num_replicas
 
     @property
     def cluster_resolver(self) -> Any:
         """The cluster resolver of a multi-worker strategy; None for single-process strategies."""
-        return None
+        return self._job.cluster_resolver
 
     @property
     def extended(self) -> StrategyExtended:
-        """TensorFlow's `StrategyExtended` facts: device names and this process's roles."""
-        names = tuple(canonical_name(device) for device in self.devices)
-        return StrategyExtended(worker_devices=names, parameter_devices=names)
+        """TensorFlow's `StrategyExtended` facts: device names and this process's roles.
+
+        On a strategy of several processes, `worker_devices` are this process's devices, named
+        in its job and task as TensorFlow names them, and only the chief (process 0, never an
+        evaluator) should write what one process writes (logs, summaries); each process runs
+        its own copy of the program (`experimental_between_graph`). Every process must still
+        call `checkpoint.save`.
+        """
+        return self._job.extended(self._placement)
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this strategy current, and its device JAX's default, for the `with` block.
@@ -390,7 +282,7 @@ class Strategy(abc.ABC):
             in_run_hint="Use jaxstrategy.get_replica_context().all_reduce() inside run, or "
             "return the value from run and reduce it outside.",
         )
-        return self._reduce(as_reduce_op(reduce_op, caller=caller), value, axis)
+        return self._placement.reduce(as_reduce_op(reduce_op, caller=caller), value, axis, caller)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
         """Concatenate the replicas' values of `value` along `axis`, in replica order.
@@ -428,12 +320,82 @@ class Strategy(abc.ABC):
           >>> [mirrored.gather(value, axis).shape for axis in (0, 1, 2)]
           [(4, 2, 3), (1, 8, 3), (1, 2, 12)]
         """
+        caller = f"{type(self).__name__}.gather()"
         contexts.require_cross_replica_context(
-            self,
-            f"{type(self).__name__}.gather()",
-            in_run_hint="Use jaxstrategy.get_replica_context().all_gather() inside run instead.",
+            self, caller, in_run_hint="Use jaxstrategy.get_replica_context().all_gather() inside run instead."
         )
-        return self._gather(value, axis)
+        return self._placement.gather(value, axis, caller)
+
+    def experimental_local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Return the values of `value` on this process's replicas: one tree per replica.
+
+        With one replica that is `(value,)`. With several, a `PerReplica` leaf gives each replica
+        its component, and an array replicated on the strategy's devices its copy on the
+        replica's device; any other leaf is repeated (TensorFlow returns a plain leaf once, as
+        `(value,)`; here it is always one per replica). With several processes, each gets its
+        own replicas' values, as in TensorFlow. Of a replica of `MultiWorkerShardedStrategy` that
+        spans processes, a value this process holds whole (a component, or a variable split only
+        within the process) comes back on this process's devices of the replica, and a variable
+        split between the processes as the replica's array, of which this process holds its own
+        shards (gather it to the host with
+        `jax.experimental.multihost_utils.process_allgather`, on every process).
+
+        Example:
+          >>> import jaxstrategy
+          >>> jaxstrategy.OneDeviceStrategy().experimental_local_results({'loss': 1.0})
+          ({'loss': 1.0},)
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> replica_id = lambda: jaxstrategy.get_replica_context().replica_id_in_sync_group
+          >>> ids = strategy.run(replica_id)
+          >>> [(int(i), i.devices()) for i in strategy.experimental_local_results(ids)]
+          [(0, {CpuDevice(id=0)}), (1, {CpuDevice(id=1)})]
+        """
+        return self._placement.local_results(value, f"{type(self).__name__}.experimental_local_results()")
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], PyTree]
+    ) -> PyTree:
+        """Call `value_fn` once per replica with its `ValueContext` and distribute the results.
+
+        On one device, the result comes back with its array-like leaves placed on the device,
+        and other leaves as they are (TensorFlow returns the raw result there). On several
+        replicas, array leaves become `PerReplica`s, each replica's component on its own
+        device(s); they must have the same shape and dtype on every replica (one program runs on
+        all of them), and a leaf that is not an array must be equal on every replica and is
+        returned as it is. With several processes, each process calls `value_fn` for its own
+        replicas only (with their global replica ids) and can compare only their results, so
+        results must agree across processes by construction; Python numbers become arrays of
+        JAX's default dtypes there, rather than weakly typed ones. Processes that share a
+        replica (of a `MultiWorkerShardedStrategy` spanning them) each call `value_fn` for it,
+        and must return the same values.
+
+        Raises:
+          TypeError: `value_fn` is not callable; a leaf that is not an array differs between
+            replicas.
+          ValueError: the replicas' results differ in structure, shape or dtype; or processes
+            that share a replica gave it different values.
+
+        Example:
+          >>> import jaxstrategy
+          >>> strategy = jaxstrategy.OneDeviceStrategy()
+          >>> value = strategy.experimental_distribute_values_from_function(
+          ...     lambda context: context.num_replicas_in_sync)
+          >>> strategy.experimental_local_results(value)[0].tolist()
+          1
+          >>> strategy = jaxstrategy.MirroredStrategy(['/cpu:0', '/cpu:1'])
+          >>> value = strategy.experimental_distribute_values_from_function(
+          ...     lambda context: context.replica_id_in_sync_group * 10)
+          >>> [int(v) for v in strategy.experimental_local_results(value)]
+          [0, 10]
+        """
+        caller = f"{type(self).__name__}.experimental_distribute_values_from_function()"
+        value, to_compare = self._placement.distribute_values(value_fn, caller)
+        self._job.compare_values(to_compare, caller)
+        return value
+
+    def _batch_layout(self) -> ReplicaLayout:
+        """How distributed datasets lay batches out: the placement's, with the job's timeout."""
+        return self._job.batch_layout(self._placement.batch_layout)
 
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None
@@ -488,7 +450,9 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
-        return datasets.distribute_dataset(dataset, layout=self._batch_layout, options=options, caller=caller)
+        return datasets.distribute_dataset(
+            dataset, layout=self._batch_layout(), options=options, caller=caller
+        )
 
     def experimental_distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
@@ -557,13 +521,13 @@ class Strategy(abc.ABC):
                 f"got {type(dataset_fn).__name__}. To distribute a dataset itself, use "
                 "experimental_distribute_dataset."
             )
-        layout = self._batch_layout
+        layout = self._batch_layout()
         options = datasets.input_options(options, caller, per_replica_supported=layout.stacked)
         contexts.require_cross_replica_context(
             self, caller, in_run_hint="Distribute the dataset outside run()."
         )
         return datasets.distribute_datasets_from_function(
-            dataset_fn, layout=layout, input_pipeline=self._input_pipeline, options=options, caller=caller
+            dataset_fn, layout=layout, input_pipeline=self._job.input_pipeline, options=options, caller=caller
         )
 
     def put(self, tree: PyTree) -> PyTree:
@@ -594,7 +558,7 @@ class Strategy(abc.ABC):
         contexts.require_cross_replica_context(self, caller, in_run_hint="Call put() outside run().")
 
         def place(tree: PyTree) -> PyTree:
-            shardings = self._shardings_for(tree, caller=caller)
+            shardings = self._placement.shardings_for(tree, caller=caller)
             return place_tree(tree, shardings, caller=caller, own_buffers=True)
 
         found = nnx_objects.find_objects(tree)

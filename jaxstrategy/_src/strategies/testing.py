@@ -52,7 +52,7 @@ def assert_tree_on_strategy(tree: PyTree, strategy: Strategy, *, committed: bool
             )
             continue
         replicated = len(expected_devices) > 1 and leaf.sharding.is_fully_replicated
-        if not replicated and not strategy._holds_variables_with(leaf.sharding, leaf.ndim):
+        if not replicated and not strategy._placement.holds_variables_with(leaf.sharding, leaf.ndim):
             problems.append(
                 f"{where} has sharding {leaf.sharding}, not one {strategy!r} places variables with"
             )

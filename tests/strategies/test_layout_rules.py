@@ -1,4 +1,4 @@
-"""The layout rules of ShardedStrategy (values/layouts.py): the default, the user's rules, what
+"""The layout rules of ShardedStrategy (strategies/layout_rules.py): the default, the user's rules, what
 they refuse and warn about, and the table `describe_layout` prints."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, SequenceKey
 
-from jaxstrategy._src.values.layouts import LayoutDescription, LayoutRules, follow_spec
+from jaxstrategy._src.strategies.layout_rules import LayoutDescription, LayoutRules, follow_spec
 
 
 def _path(*keys):
