@@ -44,7 +44,7 @@ from jaxstrategy._src.values.options import RunOptions as RunOptions
 from jaxstrategy._src.values.per_replica import PerReplica as PerReplica
 from jaxstrategy._src.values.reduce_op import ReduceOp as ReduceOp
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # An error in a user's step points at the user's code, not at the frames of run's wrappers.
 _hide_frames_under(_os.path.dirname(__file__))
