@@ -239,3 +239,59 @@ def test_python_control_on_a_traced_value_gets_the_static_arguments_hint(strateg
     with pytest.raises(jax.errors.TracerBoolConversionError) as error:
         strategy.run(branches, args=(1.0, True))
     assert any("RunOptions(static_argnums=...)" in note for note in error.value.__notes__)
+
+
+class _RecordingSteps:
+    """A stand-in for `StepCache`: one fast entry, and a checked path, each saying it was taken."""
+
+    layout_depends_on_arguments = False
+
+    def __init__(self, fn):
+        from jaxstrategy._src.steps.cache import function_key
+
+        self.fast_entries = {function_key(fn): lambda *args: "fast entry"}
+
+    def __call__(self, fn, args, kwargs, options):
+        return "checked path"
+
+
+_ADMISSION_ARGUMENTS = {
+    "jax array": lambda: (jnp.ones(2),),
+    "python int": lambda: (3,),
+    "numpy float32": lambda: (np.ones(2, np.float32),),
+    "numpy int64 that fits": lambda: (np.int64(5),),
+    "numpy int64 beyond 32 bits": lambda: (np.int64(2**40),),
+    "python float beyond float32": lambda: (1e300,),
+    "dict of arrays": lambda: ({"w": jnp.ones(2)},),
+    "nnx module": lambda: (nnx.Linear(1, 1, rngs=nnx.Rngs(0)),),
+    "string": lambda: ("train",),
+}
+_ADMISSION_CONTEXTS = ("outside every scope", "its own scope", "another strategy's scope", "inside run")
+
+
+@pytest.mark.parametrize("context", _ADMISSION_CONTEXTS)
+@pytest.mark.parametrize("arguments", list(_ADMISSION_ARGUMENTS))
+def test_the_inline_admission_check_answers_as_fast_entry_takes(arguments, context):
+    # `RunPath.run` copies `fast_entry_takes` inline, for speed: both must admit the same calls.
+    import contextlib
+
+    from jaxstrategy._src.strategies.run_path import RunPath, fast_entry_takes
+    from jaxstrategy._src.values import contexts
+
+    strategy = jaxstrategy.OneDeviceStrategy("/cpu:0")
+    fn = lambda *args: args  # noqa: E731
+    path = RunPath(strategy, _RecordingSteps(fn), before_checked_path=lambda caller: None, caller="run()")
+    args = _ADMISSION_ARGUMENTS[arguments]()
+    entered = {
+        "outside every scope": contextlib.nullcontext(),
+        "its own scope": contexts.entered(strategy),
+        "another strategy's scope": contexts.entered(jaxstrategy.OneDeviceStrategy("/cpu:1")),
+        "inside run": contexts.entered(strategy, object()),
+    }[context]
+    with entered:
+        expected = fast_entry_takes(strategy, args)
+        try:
+            taken = path.run(fn, args)
+        except Exception:  # The checked path refuses some of these calls itself.
+            taken = "checked path"
+    assert (taken == "fast entry") is expected
