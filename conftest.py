@@ -22,12 +22,16 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# The suite compiles many programs that an earlier test compiled already (each strategy's tests
-# rebuild the same small steps as new functions, which jit's own caches do not share). JAX's
-# persistent cache, in a directory of this process's own (so that no two processes race on an
-# entry), serves those repeats: `make test-fast` went from 62-67 s to 55-59 s on two cores.
-_compilation_cache = tempfile.TemporaryDirectory(prefix="jaxstrategy-test-compilations-")
-jax.config.update("jax_compilation_cache_dir", _compilation_cache.name)
+# The suite compiles many programs that an earlier test, or an earlier run, compiled already
+# (each strategy's tests rebuild the same small steps as new functions, which jit's own caches do
+# not share). JAX's persistent cache serves those repeats, shared by every test process of this
+# machine's user (the pytest-xdist workers, the jobs they start) and kept between runs. With a
+# size bound JAX takes a file lock (`filelock`, a test dependency) around each read and write,
+# so the processes cannot race on an entry; entries are keyed by the program, the devices and
+# JAX's version, so another checkout or version never reads a stale one.
+_COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), f"jaxstrategy-test-compilations-{os.getuid()}")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_compilation_cache_max_size", 2 * 2**30)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
