@@ -559,12 +559,12 @@ def test_unhashable_static_attributes_and_callables(strategy_cpu1):
 def test_looking_for_objects_asks_nnx_once_per_type(monkeypatch):
     # NNX's own check costs microseconds a node; a state of 200 leaves with a keyword argument
     # (run's slow path) must not pay it for each.
-    from jaxstrategy._src.steps import nnx_objects
+    from jaxstrategy._src.steps import nnx_objects, nnx_traversal
 
     calls = []
     is_graph_node = nnx.graph.is_graph_node
     monkeypatch.setattr(nnx.graph, "is_graph_node", lambda x: calls.append(type(x)) or is_graph_node(x))
-    monkeypatch.setattr(nnx_objects, "_IS_OBJECT_TYPE", {})
+    monkeypatch.setattr(nnx_traversal, "_IS_OBJECT_TYPE", {})
     state = nnx.state([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(100)])
     for _ in range(3):
         assert nnx_objects.find_objects(((state,), {"lr": 0.1})) is None
