@@ -94,7 +94,8 @@ class ReplicaBatcher:
       local_replicas: the ids of this process's replicas (consecutive), whose parts it lays out;
         None for all. With `split` every process reads the same global batches and keeps its
         replicas' parts; otherwise this process's pipelines supply its replicas alone.
-      grouping: how replicas take their parts (`split`, `consecutive` or `zip`; see docs/internals.md, "Input").
+      grouping: how replicas take their parts (`split`, `consecutive` or `zip`; see
+        docs/internals.md, "Input").
       stacked: stack the parts along a new leading axis (False only for one replica, whose
         batch is then passed on as it is).
       partial_batch: 'error', 'drop' or 'pad' (see `InputOptions.partial_batch`).
