@@ -578,7 +578,7 @@ class OptionalBatch:
         """Return the batch; raise ValueError when there is none."""
         if not self._has_value:
             raise ValueError(
-                "get_value(): this optional has no value (the iterator reached the end); "
+                "OptionalBatch.get_value(): this optional has no value (the iterator reached the end); "
                 "check has_value() first."
             )
         return self._value

@@ -83,7 +83,7 @@ class ArgumentRoles:
     donate_argnums: tuple[int, ...] = ()
     donate_argnames: tuple[str, ...] = ()
     scalars_are_static: bool = False
-    caller: str = "run()"
+    caller: str = "Strategy.run()"
     # Per argument structure whose leaves are all jax arrays, where each leaf goes: there, a leaf's
     # role follows from its path alone, which a step's every call shares (see `split`).
     _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
