@@ -200,7 +200,7 @@ def test_a_one_shot_generator_cannot_be_saved_and_says_so(tmp_path):
         iterator.get_state()
     with pytest.raises(TypeError, match=message):
         checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
-    with pytest.raises(TypeError, match=r"DistributedIterator.set_state\(\): this dataset reads a one-shot"):
+    with pytest.raises(TypeError, match=r"^DistributedIterator\.set_state\(\): .*one-shot"):
         iterator.set_state({})
 
 
@@ -309,12 +309,9 @@ def test_a_state_that_is_not_json_names_its_pipeline_and_its_type():
     )
     iterator = iter(dataset)
     next(iterator)
-    with pytest.raises(
-        TypeError,
-        match=r"the get_state\(\) of the iterator of input pipeline 2 \(Opaque\) returned a state that "
-        r"is neither bytes nor JSON, so this position cannot be saved: state is a set\.",
-    ):
+    with pytest.raises(TypeError, match=r"iterator of input pipeline 2 \(Opaque\) returned a state") as err:
         iterator.get_state()
+    assert "neither bytes nor JSON, so this position cannot be saved: state is a set." in str(err.value)
 
 
 def _circular():
