@@ -7,10 +7,12 @@ tests/strategies/test_multi_worker_agreements.py.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -62,6 +64,12 @@ def train_step(x):
 
 def other_step(x):
     return x * 2
+
+
+def posted_round(store, round_index=0, process=0):
+    """What `process` posted for a round, as `[name, calls in a row]` pairs: in a job of two whose
+    process 1 never posts, process 0's posts stay in the store."""
+    return json.loads(store.values[f"programs/{round_index}/round/{process}"])
 
 
 def processes(n=2, calls_per_round=4):
@@ -140,7 +148,7 @@ def test_a_round_is_compared_in_a_thread_so_that_no_call_waits_for_the_service()
 
 
 def test_a_traced_program_is_named_by_its_jaxpr_and_traced_once():
-    _, (check,) = processes(n=1)
+    store, (check, _) = processes()
     traces = []
 
     def make_step(scale):
@@ -156,10 +164,16 @@ def test_a_traced_program_is_named_by_its_jaxpr_and_traced_once():
         results[scale] = jax.jit(check.fingerprinting(step, step))(jnp.ones(2)).tolist()
     assert traces == [2.0, 2.0, 3.0]  # Fingerprinting traced each once.
     assert results == {2.0: [2.0, 2.0], 3.0: [3.0, 3.0]}
-    names = set(check._names.values())
-    # The same code with the same closure is one program; another constant, another one.
-    assert len(names) == 2
-    assert all(re.fullmatch(r"test_program_agreement.*step \(program [0-9a-f]{8}\)", name) for name in names)
+    for step in [*steps, train_step]:  # The fourth call closes the round of the first three.
+        check.record(step)
+    check.settle()
+    # The same code with the same closure is one program (two calls in a row); another constant,
+    # another one.
+    (first, first_calls), (second, second_calls) = posted_round(store)
+    assert (first_calls, second_calls) == (2, 1) and first != second
+    for name in (first, second):
+        assert re.fullmatch(r"test_program_agreement.*step \(program [0-9a-f]{8}\)", name)
+    check.close()
 
 
 def test_a_function_s_name_is_forgotten_with_it_as_its_id_may_name_another_later():
@@ -202,12 +216,16 @@ def test_arguments_that_are_not_arrays_reach_the_program_as_they_are():
 
 
 def test_a_check_nobody_holds_ends_its_thread():
+    threads_before = set(threading.enumerate())
     check = ProgramAgreement(caller=CALLER, client=Store(), num_processes=1, process_id=0, calls_per_round=4)
     for _ in range(8):
         check.record(train_step)
     check.settle()
-    thread = check._comparer
-    assert thread is not None and thread.is_alive()
+    (thread,) = [
+        thread
+        for thread in set(threading.enumerate()) - threads_before
+        if thread.name == "jaxstrategy-programs"
+    ]
     del check
     gc.collect()
     thread.join(timeout=5)
@@ -248,7 +266,7 @@ def test_a_code_fingerprint_is_the_same_whatever_each_process_s_string_hashing()
 
 
 def test_a_step_made_of_the_caller_s_function_names_that_function():
-    check = ProgramAgreement(caller=CALLER, client=Store(), num_processes=1, process_id=0)
+    store, (check, _) = processes()
 
     class StepOfObjects:  # What `run` makes of a function called with NNX objects.
         def __init__(self, user_function):
@@ -259,20 +277,24 @@ def test_a_step_made_of_the_caller_s_function_names_that_function():
 
     step = StepOfObjects(train_step)
     jax.jit(check.fingerprinting(step, step))(jnp.ones(2))
-    check.record(train_step)
-    check.record(train_step)
-    assert re.fullmatch(r".*train_step \(program [0-9a-f]{8}\)", check._round[0][0])
+    for _ in range(4):
+        check.record(train_step)
+    check.settle()
+    ((name, _),) = posted_round(store)
+    assert re.fullmatch(r".*train_step \(program [0-9a-f]{8}\)", name)
+    check.close()
 
 
 def test_rounds_close_at_calls_4_8_16_32_64_then_every_64_so_short_jobs_are_compared():
-    _, (check,) = processes(n=1, calls_per_round=64)
+    store, (check, _) = processes(calls_per_round=64)
     closed = []
     for call in range(1, 200):
         check.record(train_step)
-        if check._closed_at == call:
+        check.settle()
+        if f"programs/{len(closed)}/round/0" in store.values:  # The round just closed was posted.
             closed.append(call)
-    check.settle()
     assert closed == [4, 8, 16, 32, 64, 128, 192]
+    check.close()
 
 
 def test_a_branch_at_call_3_is_found_in_a_job_of_a_dozen_calls():

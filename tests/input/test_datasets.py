@@ -54,7 +54,7 @@ def test_len_and_cardinality_when_the_source_knows():
 def test_no_len_when_the_source_does_not_know():
     dataset = OneDeviceStrategy().experimental_distribute_dataset(_Reiterable(3))
     assert dataset.cardinality == -2
-    with pytest.raises(TypeError, match=r"has no len\(\): how many batches it yields is not known before"):
+    with pytest.raises(TypeError, match=r"has no len\(\): how many batches it yields"):
         len(dataset)
 
 
@@ -132,10 +132,9 @@ def test_non_numeric_leaves_are_an_error_at_their_step():
 
 
 def test_a_dict_dataset_is_an_error_with_a_hint():
-    with pytest.raises(
-        TypeError, match=r"the dataset is a dict, whose iteration yields its keys. Pass a list of batches"
-    ):
+    with pytest.raises(TypeError, match=r"the dataset is a dict, whose iteration yields its keys") as err:
         OneDeviceStrategy().experimental_distribute_dataset({"x": np.ones((4, 2))})
+    assert "Pass a list of batches" in str(err.value)
 
 
 def test_host_batches_are_numpy_whatever_the_source_leaves_are():
@@ -163,24 +162,23 @@ def test_a_failed_element_spec_does_not_empty_the_next_pass():
 
 
 def test_an_empty_dataset_has_no_element_spec():
-    with pytest.raises(
-        ValueError, match=r"This distributed dataset is empty \(or InputOptions\(partial_batch="
-    ):
+    with pytest.raises(ValueError, match=r"This distributed dataset is empty") as err:
         OneDeviceStrategy().experimental_distribute_dataset([]).element_spec  # noqa: B018
+    assert "InputOptions(partial_batch=" in str(err.value)
 
 
 def test_a_non_iterable_dataset_is_an_error():
-    with pytest.raises(
-        TypeError,
-        match=r"experimental_distribute_dataset\(\): the dataset must be an iterable of batches .* got int",
-    ):
+    with pytest.raises(TypeError, match=r"^OneDeviceStrategy\.experimental_distribute_dataset\(\): ") as err:
         OneDeviceStrategy().experimental_distribute_dataset(3)
+    assert "the dataset must be an iterable of batches" in str(err.value)
+    assert str(err.value).endswith("; got int.")
 
 
 def test_dataset_fn_errors():
     strategy = OneDeviceStrategy()
-    with pytest.raises(TypeError, match=r"dataset_fn must be a function of an InputContext .* got list"):
+    with pytest.raises(TypeError, match=r"dataset_fn must be a function of an InputContext") as err:
         strategy.distribute_datasets_from_function([np.ones(2)])
+    assert "got list" in str(err.value)
     with pytest.raises(TypeError, match=r"the dataset must be an iterable of batches .* got NoneType"):
         strategy.distribute_datasets_from_function(lambda context: None)
     with pytest.raises(NotImplementedError, match=r"PER_REPLICA is only supported"):
@@ -244,10 +242,9 @@ def test_a_donated_batch_delivered_as_it_is_is_a_clear_error_at_the_next_pass(st
     options = jaxstrategy.RunOptions(donate_argnums=(0, 1))
     for batch in dataset:
         params, _ = strategy_cpu1.run(_donating_step, args=(params, batch), options=options)
-    with pytest.raises(
-        ValueError, match=r"holds an array that was deleted: .*donate only the state, not the batch"
-    ):
+    with pytest.raises(ValueError, match=r"holds an array that was deleted") as err:
         list(dataset)
+    assert "donate only the state, not the batch" in str(err.value)
 
 
 def test_weakly_typed_jax_leaves_are_typed_as_on_every_strategy(strategy_cpu1):
@@ -271,11 +268,10 @@ def test_a_batch_donated_while_the_next_ones_are_placed_ahead_is_the_clear_error
     dataset = strategy_cpu1.experimental_distribute_dataset([batch] * 3, options)
     params = strategy_cpu1.put(jnp.zeros(()))
     donate = jaxstrategy.RunOptions(donate_argnums=(0, 1))
-    with pytest.raises(
-        ValueError, match=r"holds an array that was deleted: .*donate only the state, not the batch"
-    ):
+    with pytest.raises(ValueError, match=r"holds an array that was deleted") as err:
         for taken in dataset:
             params, _ = strategy_cpu1.run(_donating_step, args=(params, taken), options=donate)
+    assert "donate only the state, not the batch" in str(err.value)
 
 
 @pytest.mark.parametrize("where", ["replicated", "one device"])
@@ -384,13 +380,11 @@ def test_shape_changes_mid_stream_warn_once_but_a_partial_last_batch_does_not():
         warnings.simplefilter("error")
         list(strategy.experimental_distribute_dataset(partial_last))
     changing = strategy.experimental_distribute_dataset([np.ones(4), np.ones(5), np.ones(6), np.ones(7)])
-    with pytest.warns(
-        UserWarning,
-        match=r"change shape or dtype mid-stream \(first: float32\[4\]\)\. Each new shape compiles",
-    ) as record:
+    with pytest.warns(UserWarning, match=r"mid-stream \(first: float32\[4\]\)") as record:
         list(changing)
         list(changing)  # Once per dataset, not per pass.
     assert len(record) == 1
+    assert "Each new shape compiles" in str(record[0].message)
 
 
 # --- iterator API ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ get_state/set_state of a source's iterator (Grain's protocol), on every way of l
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -191,16 +192,13 @@ def test_a_one_shot_generator_cannot_be_saved_and_says_so(tmp_path):
     dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(np.ones(1) for _ in range(3))
     iterator = iter(dataset)
     next(iterator)
-    message = (
-        r"DistributedIterator.get_state\(\): this dataset reads a one-shot iterator \(generator\), which "
-        r"cannot start a new pass, so its position could never be restored. Distribute a re-iterable "
-        r"source .* or an iterator with get_state\(\) and set_state\(\)"
-    )
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises(TypeError, match=r"^DistributedIterator\.get_state\(\): .* one-shot iterator") as err:
         iterator.get_state()
-    with pytest.raises(TypeError, match=message):
+    assert "(generator)" in str(err.value)
+    assert "Distribute a re-iterable source" in str(err.value)
+    with pytest.raises(TypeError, match=r"one-shot iterator \(generator\)"):
         checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
-    with pytest.raises(TypeError, match=r"DistributedIterator.set_state\(\): this dataset reads a one-shot"):
+    with pytest.raises(TypeError, match=r"^DistributedIterator\.set_state\(\): .*one-shot"):
         iterator.set_state({})
 
 
@@ -288,15 +286,12 @@ def test_a_state_that_is_not_json_is_read_and_refused_only_when_saved(tmp_path):
     dataset = jaxstrategy.OneDeviceStrategy().experimental_distribute_dataset(NumpyState(3))
     iterator = iter(dataset)
     assert _values(next(iterator)) == [0, 0]
-    message = (
-        r"^DistributedIterator.get_state\(\): the get_state\(\) of the iterator of the dataset's source "
-        r"\(NumpyState\) returned a state that is neither bytes nor JSON, so this position cannot be "
-        r"saved: state\['index'\] is a numpy int64\. Return bytes, or dicts, lists, strings, numbers, "
-        r"booleans and None of Python's own types, from get_state\(\) \(int\(x\) for a numpy integer\)\.$"
-    )
-    with pytest.raises(TypeError, match=message):
+    # The leaf that JSON cannot hold, its type, and the fix.
+    leaf = r"\(NumpyState\) returned a state .*: state\['index'\] is a numpy int64\."
+    with pytest.raises(TypeError, match=r"^DistributedIterator\.get_state\(\): .*" + leaf) as err:
         iterator.get_state()
-    with pytest.raises(TypeError, match=message):
+    assert "(int(x) for a numpy integer)" in str(err.value)
+    with pytest.raises(TypeError, match=leaf):
         checkpoint.save(tmp_path, {"w": jnp.ones(1), "data": iterator})
     assert [_values(batch) for batch in iterator] == [[1, 1], [2, 2]]
 
@@ -309,12 +304,9 @@ def test_a_state_that_is_not_json_names_its_pipeline_and_its_type():
     )
     iterator = iter(dataset)
     next(iterator)
-    with pytest.raises(
-        TypeError,
-        match=r"the get_state\(\) of the iterator of input pipeline 2 \(Opaque\) returned a state that "
-        r"is neither bytes nor JSON, so this position cannot be saved: state is a set\.",
-    ):
+    with pytest.raises(TypeError, match=r"iterator of input pipeline 2 \(Opaque\) returned a state") as err:
         iterator.get_state()
+    assert "neither bytes nor JSON, so this position cannot be saved: state is a set." in str(err.value)
 
 
 def _circular():
@@ -426,15 +418,6 @@ def _saved_in_pass_2(source_type, strategy, taken):
     return iterator.get_state()
 
 
-CHANGED = (
-    r"DistributedIterator.set_state\(\): the dataset's source yields other elements on this pass "
-    r"than when the position was saved: its element (3|5) \(from 0\), the last taken before the save, "
-    r"differs .* resuming would train on other data. The saved position is in pass 2 \(from 0\) .* "
-    r"seed its shuffle .* by that pass number, set before restoring, not by a counter that restarts "
-    r"at 0 .* get_state\(\) and set_state\(\), as Grain's have, .* docs/checkpoints.md\."
-)
-
-
 @STRATEGIES
 @WHERE
 def test_a_source_seeded_by_the_pass_number_resumes_on_the_batches_it_stopped_at(make_strategy, taken):
@@ -460,8 +443,12 @@ def test_a_source_shuffled_by_a_counter_that_restarts_at_0_is_an_error_not_other
     strategy = make_strategy()
     state = _saved_in_pass_2(CounterShuffled, strategy, taken)
     iterator = iter(strategy.experimental_distribute_dataset(CounterShuffled()))
-    with pytest.raises(ValueError, match=CHANGED):
+    with pytest.raises(ValueError, match=r"yields other elements on this pass than when the position") as err:
         iterator.set_state(state)
+    message = str(err.value)
+    assert re.search(r"its element (3|5) \(from 0\), the last taken before the save", message)
+    assert "The saved position is in pass 2 (from 0)" in message
+    assert "by that pass number, set before restoring" in message
 
 
 @STRATEGIES

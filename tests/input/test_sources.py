@@ -47,9 +47,9 @@ def test_a_tf_data_like_source_is_read_through_as_numpy_iterator():
 
 
 def test_a_mapping_or_a_non_iterable_is_an_error():
-    with pytest.raises(TypeError, match=r"f\(\): the dataset is a dict, whose iteration yields its keys"):
+    with pytest.raises(TypeError, match=r"^f\(\): the dataset is a dict, whose iteration"):
         host_passes({"x": np.zeros(2)}, caller="f()")
-    with pytest.raises(TypeError, match=r"f\(\): the dataset must be an iterable of batches .*; got int"):
+    with pytest.raises(TypeError, match=r"^f\(\): the dataset must be an iterable .*; got int\.$"):
         host_passes(3, caller="f()")
 
 

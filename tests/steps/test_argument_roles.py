@@ -57,25 +57,19 @@ def test_python_numbers_are_constants_only_where_scalars_are_static():
 
 
 def test_unhashable_constants_are_named_by_path():
-    message = (
-        r"Test.run\(\): compile-time constants .* must be hashable, but these are not:\n"
-        r"  args\[0\]\['config'\] is a set\n  kwargs\['extra'\] is a bytearray\n"
-        r"Pass them as arrays, make them hashable"
-    )
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises(TypeError, match=r"^Test\.run\(\): compile-time constants .* must be hashable") as err:
         split(
             roles(), ({"config": {"a"}, "lists": ["flattened", "fine"]}, jnp.ones(1)), {"extra": bytearray(1)}
         )
+    assert ":\n  args[0]['config'] is a set\n  kwargs['extra'] is a bytearray\n" in str(err.value)
+    assert "Pass them as arrays, make them hashable" in str(err.value)
 
 
 def test_options_naming_arguments_the_call_does_not_pass_are_an_error():
-    message = (
-        r"Test.run\(\): RunOptions names arguments that this call does not pass \(donate_argnums "
-        r"position 2, static_argnames name 'mode'\); it passed 1 positional argument\(s\) and "
-        r"keyword arguments \[\]\."
-    )
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"^Test\.run\(\): RunOptions names arguments") as err:
         split(roles(donate_argnums=2, static_argnames="mode"), (jnp.ones(1),))
+    assert "(donate_argnums position 2, static_argnames name 'mode')" in str(err.value)
+    assert "it passed 1 positional argument(s) and keyword arguments []." in str(err.value)
 
 
 def test_a_donated_array_passed_twice_is_an_error_naming_both_places():

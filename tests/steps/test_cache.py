@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import re
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -50,13 +53,11 @@ def test_outputs_are_committed_and_inputs_of_every_kind_compile_once(strategy_cp
 
 
 def test_fresh_lambdas_get_one_warning_that_explains_the_fix(strategy_cpu1):
-    with pytest.warns(
-        UserWarning,
-        match=r"compiled 3 different function objects made from the same code \(<lambda> at .*test_cache.py",
-    ) as record:
+    with pytest.warns(UserWarning, match=r"compiled 3 different function objects") as record:
         for i in range(6):
             strategy_cpu1.run(lambda x: x + 1, args=(i,))
     assert len(record) == 1
+    assert re.search(r"same code \(<lambda> at .*test_cache\.py:\d+\)", str(record[0].message))
     assert "Define the function once, outside the loop" in str(record[0].message)
     assert record[0].filename == __file__, "the warning points at the caller's line"
 
@@ -82,10 +83,14 @@ def test_callable_objects_are_keyed_by_identity(strategy_cpu1):
     assert strategy_cpu1.run(Scale(5.0), args=(3.0,)).tolist() == 15.0
 
 
-def test_dropped_functions_and_models_are_freed_with_their_entries(strategy_cpu1):
-    import gc
-    import weakref
+def _adding(array):
+    def closure(x):
+        return x + array
 
+    return closure
+
+
+def test_dropped_functions_and_models_are_freed_with_their_compiled_steps(strategy_cpu1):
     class Model:
         def __init__(self):
             self.weights = jnp.ones((256, 256))
@@ -96,17 +101,14 @@ def test_dropped_functions_and_models_are_freed_with_their_entries(strategy_cpu1
     model = Model()
     strategy_cpu1.run(model.step, args=(jnp.ones(256),))
     weights = jnp.ones(8)
-
-    def closure(x):
-        return x + weights
-
+    closure = _adding(weights)
     strategy_cpu1.run(closure, args=(jnp.ones(8),))
-    alive = [weakref.ref(model), weakref.ref(closure)]
-    entries_before = len(strategy_cpu1._run_steps._entries)
-    del model, closure
+    alive = [weakref.ref(model), weakref.ref(closure), weakref.ref(model.weights), weakref.ref(weights)]
+    del model, closure, weights
     gc.collect()
-    assert [ref() for ref in alive] == [None, None]
-    assert len(strategy_cpu1._run_steps._entries) == entries_before - 2
+    # The arrays too: a compiled step holds what its function closed over, so a step kept after
+    # its function was dropped would keep them alive.
+    assert [ref() for ref in alive] == [None, None, None, None]
 
 
 def test_methods_of_several_objects_and_option_variants_do_not_warn(strategy_cpu1):
@@ -139,9 +141,17 @@ def test_tracing_errors_point_at_the_users_function(strategy_cpu1):
         strategy_cpu1.run(needs_a_concrete_flag, args=(1.0, True))
 
 
-def test_the_cache_is_bounded(strategy_cpu1, monkeypatch):
+def test_the_cache_is_bounded_and_drops_the_oldest_step(strategy_cpu1, monkeypatch):
     monkeypatch.setattr(cache, "_MAX_ENTRIES", 3)
-    functions = [eval(f"lambda x: x + {i}") for i in range(5)]  # distinct code: no warning
+    traced = []
+    functions = []
+    for i in range(5):  # Distinct code for each, so that no warning is raised.
+        namespace = {"traced": traced}
+        exec(f"def step_{i}(x):\n    traced.append({i})\n    return x + {i}", namespace)
+        functions.append(namespace[f"step_{i}"])
     for fn in functions:
         strategy_cpu1.run(fn, args=(1,))
-    assert len(strategy_cpu1._run_steps._entries) == 3
+    assert traced == [0, 1, 2, 3, 4]
+    strategy_cpu1.run(functions[4], args=(1,))  # Among the last three: still compiled.
+    strategy_cpu1.run(functions[0], args=(1,))  # The oldest, dropped: compiled again.
+    assert traced == [0, 1, 2, 3, 4, 0]

@@ -4,6 +4,7 @@ where that cannot hold. (The Flax-docs training loop on every strategy is in con
 from __future__ import annotations
 
 import functools
+import re
 
 import flax
 import jax
@@ -42,12 +43,12 @@ def test_updates_that_differ_between_replicas_are_an_error_and_change_nothing(fo
     optimizer = four.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     before = np.asarray(model.kernel[...]).copy()
     batch, _ = _batch(four)
-    with pytest.raises(
-        ValueError,
-        match=r"(?s)MirroredStrategy.run\(\): fn updated these Variables of its Flax NNX arguments with values "
-        r"that may differ between replicas:\n  args\[0\].bias\n  args\[0\].kernel\n.*all_reduce\('mean', grads\)",
-    ):
+    with pytest.raises(ValueError, match=r"^MirroredStrategy\.run\(\): ") as err:
         four.run(_own_gradient_step, args=(model, optimizer, batch))
+    message = str(err.value)
+    assert "may differ between replicas:\n  args[0].bias\n  args[0].kernel\n" in message
+    assert "the objects were left as they were" in message
+    assert "all_reduce('mean', grads)" in message
     np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)
     assert int(optimizer.step[...]) == 0
 
@@ -56,14 +57,11 @@ def test_updates_that_differ_between_replicas_of_donated_objects_say_their_state
     model = four.put(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
     optimizer = four.put(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     batch, _ = _batch(four)
-    with pytest.raises(
-        ValueError,
-        match=r"(?s)args\[0\].kernel\n.*these of them were donated \(RunOptions\), so they now hold deleted "
-        r"arrays:\n  args\[0\].bias\n  args\[0\].kernel\nRebuild their objects, or restore a checkpoint",
-    ):
+    with pytest.raises(ValueError, match=r"deleted arrays:\n  args\[0\]\.bias\n  args\[0\]\.kernel\n") as err:
         four.run(
             _own_gradient_step, args=(model, optimizer, batch), options=RunOptions(donate_argnums=(0, 1))
         )
+    assert "Rebuild their objects, or restore a checkpoint" in str(err.value)
     assert model.kernel.get_raw_value().is_deleted()
     assert int(optimizer.step[...]) == 1, "what was the same on every replica was written back"
 
@@ -82,13 +80,13 @@ def test_only_donated_objects_lose_what_differs_between_replicas(four):
         donated.kernel[...] += batch["y"][:1]  # Differs, and donated.
 
     with pytest.raises(
-        ValueError,
-        match=r"(?s)args\[0\].bias\n  args\[1\].kernel\n.*so these were not updated, and these of them were "
-        r"donated \(RunOptions\), so they now hold deleted arrays:\n  args\[1\].kernel\nRebuild their "
-        r"objects, or restore a checkpoint\. The donated objects' other Variables took their new values; "
-        r"objects not donated were left as they were\. Make the update",
-    ):
+        ValueError, match=r"between replicas:\n  args\[0\]\.bias\n  args\[1\]\.kernel\n"
+    ) as err:
         four.run(step, args=(differing, donated, batch), options=RunOptions(donate_argnums=1))
+    message = str(err.value)
+    assert "hold deleted arrays:\n  args[1].kernel\nRebuild their objects" in message
+    assert "The donated objects' other Variables took their new values" in message
+    assert "objects not donated were left as they were" in message
     np.testing.assert_array_equal(np.asarray(differing.bias[...]), differing_before)
     np.testing.assert_array_equal(np.asarray(differing.kernel[...]), differing_kernel_before)
     assert donated.kernel.get_raw_value().is_deleted()
@@ -104,12 +102,10 @@ def test_a_failed_step_says_which_donated_objects_took_their_updates(four):
         differing.bias[...] += batch["y"][:1]  # Differs, not donated.
         donated.bias[...] += 1.0  # The same everywhere, donated.
 
-    with pytest.raises(
-        ValueError,
-        match=r"so these were not updated\. The donated objects took their other new values \(their old arrays "
-        r"were given to the step\); objects not donated were left as they were\.",
-    ):
+    with pytest.raises(ValueError, match=r"The donated objects took their other new values") as err:
         four.run(step, args=(differing, donated, batch), options=RunOptions(donate_argnums=1))
+    assert "differ between replicas:\n  args[0].bias\n" in str(err.value)
+    assert "hold deleted arrays" not in str(err.value)
     assert np.asarray(donated.bias[...]).tolist() == [1.0]
 
 
@@ -153,10 +149,9 @@ def test_batch_norm_over_the_replica_axis_keeps_the_global_batch_statistics(four
 def test_batch_norm_without_the_replica_axis_is_the_clear_error(four):
     model = four.put(_Normalised(axis_name=None))
     batch, _ = _batch(four)
-    with pytest.raises(
-        ValueError, match=r"(?s)\n  args\[0\].norm.mean\n  args\[0\].norm.var\n.*axis_name='replica'"
-    ):
+    with pytest.raises(ValueError, match=r"\n  args\[0\]\.norm\.mean\n  args\[0\]\.norm\.var\n") as err:
         four.run(_normalise, args=(model, batch))
+    assert "give nnx.BatchNorm axis_name='replica'" in str(err.value)
 
 
 class _Growing(nnx.Module):
@@ -170,11 +165,9 @@ def _grow(model):
 
 def test_changing_the_objects_structure_inside_run_is_an_error(four):
     model = four.put(_Growing())
-    with pytest.raises(
-        ValueError,
-        match=r"fn changed the structure of its Flax NNX arguments: it added.*set such flags, before calling run",
-    ):
+    with pytest.raises(ValueError, match=r"fn changed the structure of its Flax NNX arguments") as err:
         four.run(_grow, args=(model,))
+    assert "create them, and set such flags, before calling run" in str(err.value)
     assert not hasattr(model, "extra")
 
 
@@ -221,34 +214,29 @@ def test_put_places_in_place_beside_other_leaves(four):
 
 def test_static_options_are_refused_with_objects():
     model = OneDeviceStrategy().put(_Growing())
-    with pytest.raises(
-        ValueError,
-        match=r"RunOptions' static arguments cannot be combined with Flax NNX objects.*as a string or an enum member.*nnx.split",
-    ):
+    with pytest.raises(ValueError, match=r"static arguments cannot be combined with Flax NNX objects") as err:
         OneDeviceStrategy().run(
             lambda m, flag: None, args=(model, True), options=RunOptions(static_argnums=1)
         )
+    assert "as a string or an enum member" in str(err.value)
+    assert "pass the objects' state (nnx.split)" in str(err.value)
 
 
 def test_donating_an_argument_that_is_no_object_beside_objects_is_a_clear_error():
     strategy = OneDeviceStrategy()
     model = strategy.put(_Growing())
-    with pytest.raises(
-        ValueError,
-        match=r"RunOptions may donate only arguments that are themselves objects.*but args\[1\] is not\. Pass each",
-    ):
+    with pytest.raises(ValueError, match=r"may donate only arguments that are themselves objects") as err:
         strategy.run(
             lambda m, x: x, args=(model, strategy.put(jnp.ones(2))), options=RunOptions(donate_argnums=(0, 1))
         )
+    assert "but args[1] is not." in str(err.value)
+    assert "Pass each object as an argument of its own" in str(err.value)
 
 
 def test_a_donation_option_naming_no_argument_is_an_error_with_objects_too():
     strategy = OneDeviceStrategy()
     model = strategy.put(_Growing())
-    with pytest.raises(
-        ValueError,
-        match=r"RunOptions names arguments that this call does not pass \(donate_argnums position 3\)",
-    ):
+    with pytest.raises(ValueError, match=r"does not pass \(donate_argnums position 3\)"):
         strategy.run(lambda m: None, args=(model,), options=RunOptions(donate_argnums=3))
 
 
@@ -257,12 +245,10 @@ def test_an_array_held_by_a_donated_variable_and_by_another_one_is_a_clear_error
     model = strategy.put(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
     ema = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
     nnx.update(ema, nnx.state(model))  # The same arrays, as an EMA copy is often started.
-    with pytest.raises(
-        ValueError,
-        match=r"args\[0\]\.(bias|kernel) is donated \(RunOptions\), but the array it holds is also held by "
-        r"args\[1\]\.(bias|kernel)\. Donation deletes the array",
-    ):
+    with pytest.raises(ValueError, match=r"args\[0\]\.(bias|kernel) is donated") as err:
         strategy.run(lambda m, e: None, args=(model, ema), options=RunOptions(donate_argnums=0))
+    assert re.search(r"also held by args\[1\]\.(bias|kernel)\.", str(err.value))
+    assert "(jnp.copy)" in str(err.value)
     assert not model.kernel.get_raw_value().is_deleted(), "refused before anything was donated"
 
 
@@ -278,12 +264,9 @@ class _NetAndAverage(nnx.Module):
 def test_two_donated_variables_holding_one_array_are_a_clear_error():
     strategy = OneDeviceStrategy()
     pair = _NetAndAverage()  # Not put: `put` would give each Variable an array of its own.
-    with pytest.raises(
-        ValueError,
-        match=r"args\[0\]\.\w+\.(bias|kernel) is donated \(RunOptions\), but the array it holds is also held "
-        r"by args\[0\]\.\w+\.(bias|kernel)\.",
-    ):
+    with pytest.raises(ValueError, match=r"args\[0\]\.\w+\.(bias|kernel) is donated") as err:
         strategy.run(lambda p: None, args=(pair,), options=RunOptions(donate_argnums=0))
+    assert re.search(r"also held by args\[0\]\.\w+\.(bias|kernel)\.", str(err.value))
 
 
 def test_put_gives_two_variables_holding_one_array_an_array_each_so_they_can_be_donated():
@@ -303,10 +286,7 @@ def test_put_gives_two_variables_holding_one_array_an_array_each_so_they_can_be_
 def test_an_array_held_by_a_donated_variable_and_by_an_argument_names_the_argument():
     strategy = OneDeviceStrategy()
     model = strategy.put(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
-    with pytest.raises(
-        ValueError,
-        match=r"args\[0\]\.kernel is donated \(RunOptions\), but the array it holds is also held by args\[1\]\['w'\]\.",
-    ):
+    with pytest.raises(ValueError, match=r"args\[0\]\.kernel is donated .* also held by args\[1\]\['w'\]\."):
         strategy.run(
             lambda m, d: None,
             args=(model, {"w": model.kernel.get_raw_value()}),
@@ -559,12 +539,12 @@ def test_unhashable_static_attributes_and_callables(strategy_cpu1):
 def test_looking_for_objects_asks_nnx_once_per_type(monkeypatch):
     # NNX's own check costs microseconds a node; a state of 200 leaves with a keyword argument
     # (run's slow path) must not pay it for each.
-    from jaxstrategy._src.steps import nnx_objects
+    from jaxstrategy._src.steps import nnx_objects, nnx_traversal
 
     calls = []
     is_graph_node = nnx.graph.is_graph_node
     monkeypatch.setattr(nnx.graph, "is_graph_node", lambda x: calls.append(type(x)) or is_graph_node(x))
-    monkeypatch.setattr(nnx_objects, "_IS_OBJECT_TYPE", {})
+    monkeypatch.setattr(nnx_traversal, "_IS_OBJECT_TYPE", {})
     state = nnx.state([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(100)])
     for _ in range(3):
         assert nnx_objects.find_objects(((state,), {"lr": 0.1})) is None

@@ -94,12 +94,7 @@ def test_an_output_follows_the_input_with_the_longest_path_it_ends_with():
         ("dense", TypeError, r"layout must be a list of \(regex, spec\) pairs; got 'dense'"),
         ([("dense",)], TypeError, r"layout\[0\] must be a \(regex, spec\) pair; got \('dense',\)"),
         ([("(", P())], ValueError, r"layout\[0\]'s regex '\(' does not compile"),
-        (
-            [("w", P("replica"))],
-            ValueError,
-            r"names 'replica'; a ShardedStrategy's leaves are split over 'shard' and 'model' only\. "
-            r"Replicas always hold their whole model",
-        ),
+        ([("w", P("replica"))], ValueError, r"names 'replica'; .*\. Replicas always hold their whole model"),
         ([("w", P("tensor", None))], ValueError, r"names 'tensor'; .* over 'shard' and 'model' only\.$"),
         ([("w", P("shard", "shard"))], ValueError, r"names 'shard' more than once; an axis splits one"),
         ([("w", P(("model", "shard"), "model"))], ValueError, r"names 'model' more than once"),
@@ -116,7 +111,7 @@ def test_a_spec_is_accepted_as_a_tuple_of_its_entries():
 
 
 def test_min_shard_bytes_must_be_a_non_negative_int():
-    with pytest.raises(ValueError, match=r"min_shard_bytes must be a non-negative int \(bytes\); got -1"):
+    with pytest.raises(ValueError, match=r"min_shard_bytes must be a non-negative int.*; got -1"):
         _rules(min_shard_bytes=-1)
 
 

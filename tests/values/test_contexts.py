@@ -75,11 +75,9 @@ def test_input_context_str_names_jaxstrategy_where_tensorflow_names_tf_distribut
 def test_per_replica_batch_size_must_divide():
     context = InputContext(num_replicas_in_sync=2)
     assert context.get_per_replica_batch_size(64) == 32
-    with pytest.raises(
-        ValueError,
-        match=r"The `global_batch_size` 63 is not divisible by `num_replicas_in_sync` 2; use a multiple of 2",
-    ):
+    with pytest.raises(ValueError, match=r"`global_batch_size` 63 is not divisible") as err:
         context.get_per_replica_batch_size(63)
+    assert "use a multiple of 2" in str(err.value)
 
 
 @pytest.mark.parametrize("size", [63.0, "64", True])

@@ -53,10 +53,9 @@ def test_one_weight_per_example_weighs_every_loss_of_that_example():
     assert float(
         compute_average_loss(LOSSES, sample_weight=np.array([[1.0], [0.0], [1.0]]))
     ) == pytest.approx(4 / 3)
-    with pytest.raises(
-        ValueError, match=r"sample_weight of shape \(4,\) does not fit per_example_loss of shape \(3, 4\)"
-    ):
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(4,\)") as err:
         compute_average_loss(np.ones((3, 4), np.float32), sample_weight=np.ones(4))
+    assert "per_example_loss of shape (3, 4)" in str(err.value)
 
 
 def test_the_default_global_batch_is_the_replica_batch_times_the_replicas(cpu_devices):
@@ -124,16 +123,16 @@ def test_the_optional_arguments_are_keyword_only():
 def test_in_the_cross_replica_context_there_is_no_replica_batch():
     with OneDeviceStrategy().scope():
         with pytest.raises(
-            StrategyContextError,
-            match=r"compute_average_loss\(\) was called in the cross-replica context.*pass global_batch_size",
-        ):
+            StrategyContextError, match=r"compute_average_loss\(\) was called in the cross"
+        ) as err:
             compute_average_loss(LOSSES)
+        assert "pass global_batch_size" in str(err.value)
         assert float(compute_average_loss(LOSSES, global_batch_size=6)) == 1.0
         with pytest.raises(
-            StrategyContextError,
-            match=r"scale_regularization_loss\(\) was called in the cross-replica context.*inside Strategy.run",
-        ):
+            StrategyContextError, match=r"scale_regularization_loss\(\) was called in the"
+        ) as err:
             scale_regularization_loss(1.0)
+        assert "call it inside Strategy.run" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -150,12 +149,10 @@ def test_a_global_batch_size_that_32_bits_would_change_is_refused(global_batch_s
     # docs/semantics.md, row "a global_batch_size past int32's range" (TensorFlow 2.21 uses it as
     # it is). With jax_enable_x64 off, np.int64(2**32 + 2) became the int32 2, and the loss 3.
     with pytest.raises(
-        OverflowError,
-        match=r"compute_average_loss\(\): these values do not fit the 32-bit types.*\n  "
-        + message
-        + r".*\n.*jax_enable_x64",
-    ):
+        OverflowError, match=r"^jaxstrategy\.nn\.compute_average_loss\(\): .*\n  " + message
+    ) as err:
         compute_average_loss(LOSSES, global_batch_size=global_batch_size)
+    assert "jax_enable_x64" in str(err.value)
 
 
 def test_with_64_bit_types_a_wide_global_batch_size_is_used_as_it_is():

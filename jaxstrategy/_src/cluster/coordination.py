@@ -1,25 +1,10 @@
 """JAX's coordination service, as jaxstrategy uses it: the one module that talks to its store.
 
 Every process of a `jax.distributed` job reaches one key-value store through its coordinator
-(process 0). The library's protocols all go through `KeyValueStore` here: the input agreement
-(`input/agreement.py`), the program check (`cluster/program_agreement.py`), the ends of the
-job's processes (`cluster/job_exits.py`), the checkpoint lock's job-wide acquire
-(`checkpoint/lock.py`), preemption (`checkpoint/preemption.py`), and the checks that a
-cross-process value has the same shape everywhere (below). `tests/cluster/test_coordination.py`
-fails if any other module calls the client's key-value methods, so that what the library asks
-of the one server in process 0 can be read, and counted (`count_operations`), in one place.
-
-What the service's answers mean:
-
-- Keys are paths; `key_value_delete` deletes a key and every key under it, and
-  `key_value_dir_get` reads every key under a directory in one call. Each protocol keeps its
-  keys under a namespace of its own (`new_namespace`), numbered by the order of the calls that
-  make them, which every process of a job makes in the same order.
-- A blocking read that times out raises `DEADLINE_EXCEEDED`: nobody set the key in time, which
-  is an answer (None here), not a failure. Any other error (the service is gone, say) is raised.
-- A wait is made of short blocking reads (`poll_ms`), so that a stop event (a closed iterator,
-  a closed handler) or another key (an error a process posted) ends it, and a deadline counted
-  here, over all of them, decides when the others are too late.
+(process 0). Every protocol of the library goes through `KeyValueStore` here, so that what they
+ask of that one server can be read, and counted (`count_operations`), in one place; the answers'
+meanings are in docs/internals.md, "The cluster". tests/cluster/test_coordination.py fails if
+another module calls the client's key-value methods.
 """
 
 from __future__ import annotations

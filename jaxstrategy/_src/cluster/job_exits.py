@@ -1,27 +1,9 @@
 """Ending every process of a multi-process job soon after one of them ends early.
 
-The processes of a `jax.distributed` job wait for each other twice: in collectives, and at exit,
-where JAX's shutdown waits (up to `shutdown_timeout_seconds`, 300 s) until every process gets
-there. So a process that raises, or calls `sys.exit`, in the middle of the training loop hangs
-the job: it waits at exit for the others, they wait in a collective for it, and JAX's heartbeat
-sees nothing wrong, since every process is alive.
-
-Here every process announces its end in the coordination service's key-value store, with the
-reason (the uncaught exception, or the end of its program), before JAX's shutdown starts:
-
-- A process that ended with an uncaught exception waits a moment for the others to see it, then
-  ends at once, without waiting for them at JAX's shutdown.
-- A process whose program ended waits up to `heartbeat_timeout_seconds` for the others to end too:
-  that is how a job normally ends, and JAX then shuts down as usual. Processes still running
-  after that may be waiting for it in a collective, so it ends at once, which fails their
-  collectives ("Connection reset by peer") instead of leaving them waiting.
-- A thread in each process watches for the others' announcements. A failure elsewhere (or a
-  process that had to end while others still ran) ends this process at once, with a message
-  naming that process, and makes `run` raise from then on. A normal end elsewhere does neither:
-  with asynchronous dispatch, a process that never reads its results can reach its end while
-  its last steps still wait for the others, which then complete them.
-
-Every process polls the store twice a second; one small read each time.
+A process that raises or exits mid-loop would hang the job: it waits at JAX's shutdown for the
+others, which wait in a collective for it, while JAX's heartbeat sees every process alive. So each
+process announces its end, with the reason, in the coordination service's store, and a thread in
+each one watches for the others' (docs/internals.md, "The cluster", gives the rules).
 """
 
 from __future__ import annotations
@@ -155,7 +137,7 @@ _watch: _Watch | None = None
 
 
 def watch_job(process_id: int, num_processes: int, heartbeat_s: float, *, client: Any = None) -> None:
-    """Start watching the job's ends, once per process (see the module docstring); through
+    """Start watching the job's ends, once per process (docs/internals.md, "The cluster"); through
     `client`, JAX's coordination client when None."""
     global _watch
     if _watch is not None or num_processes < 2:

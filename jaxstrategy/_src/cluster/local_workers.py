@@ -23,7 +23,10 @@ from typing import IO
 
 from jaxstrategy._src.cluster.ports import reserve_ports
 from jaxstrategy._src.core.arguments import check_int
+from jaxstrategy._src.core.errors import format_call
 
+# The call that messages name: the public one, as users write it.
+_CALLER = "jaxstrategy.testing.run_local_workers()"
 # How much of each process's output a timeout error shows.
 _TAIL_CHARS = 3000
 
@@ -60,7 +63,7 @@ class LocalWorkers:
         env: Mapping[str, str] | None,
         cwd: str | os.PathLike[str] | None,
     ):
-        self._ports = reserve_ports(num_workers, caller="run_local_workers()")
+        self._ports = reserve_ports(num_workers, caller=_CALLER)
         addresses = [f"127.0.0.1:{port}" for port in self._ports.ports]
         self._outputs: list[tuple[IO[str], IO[str]]] = []
         self.processes: list[subprocess.Popen[str]] = []
@@ -208,13 +211,13 @@ def run_local_workers(
     if isinstance(args, str | bytes) or not all(isinstance(arg, str) for arg in args):
         # A bare string is a sequence too: it would run one argument per character.
         raise TypeError(
-            f"run_local_workers(args={args!r}): expected a list of strings, the program and its "
+            f"{format_call(_CALLER, f'args={args!r}')}: expected a list of strings, the program and its "
             f"arguments as after `python`, such as ['train.py', '--steps', '5']."
         )
     for name, value in (("num_workers", num_workers), ("devices_per_worker", devices_per_worker)):
-        check_int(value, f"run_local_workers({name}={value!r})", at_least=1)
+        check_int(value, format_call(_CALLER, f"{name}={value!r}"), at_least=1)
     if not timeout > 0:
-        raise ValueError(f"run_local_workers(timeout={timeout!r}): expected a number of seconds > 0.")
+        raise ValueError(f"{format_call(_CALLER, f'timeout={timeout!r}')}: expected a number of seconds > 0.")
     workers = LocalWorkers(
         args, num_workers, devices_per_worker=devices_per_worker, env=env, cwd=Path(cwd) if cwd else None
     )

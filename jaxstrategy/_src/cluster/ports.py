@@ -1,24 +1,9 @@
 """Ports for the jobs `run_local_workers` starts on this machine, held until each job ends.
 
-A job's coordinator binds its port seconds after the port is chosen, once its process has
-imported JAX. A port that was merely free when chosen (`bind(0)`, then let go) could meanwhile
-be handed to another job started at the same time, by another thread, another test process
-(pytest-xdist) or another session on this machine, and the two jobs would fail or join each
-other's processes. So each port is reserved:
-
-- it is taken below the kernel's ephemeral range, which neither `bind(0)` nor outgoing
-  connections use, so no other program is handed it by the kernel meanwhile;
-- it is guarded by an exclusive `flock` on a file named after it, held until the job ends
-  (`PortReservation.release`). flock locks belong to an open file, not to a process, so two
-  reservations in one process exclude each other as two processes do, and the locks go with
-  the process if it dies;
-- it must be bindable on every address, as the coordinator binds it.
-
-Every process tries the same ports in the same order, from the bottom, skipping those locked or
-in use, so a few lock files serve every session, and a port is used again once its job ended.
-Where there is no port below the range (it starts below 20000, as `1024 65535` does) or all are
-taken, the kernel picks them, as `bind(0)` does: another program's connection could then take
-one before the job binds it, but the locks still keep the jobs apart.
+A job's coordinator binds its port seconds after the port is chosen, and a port merely free then
+could meanwhile go to another job started at the same time: the two would fail or join each
+other's processes. So each port is reserved below the kernel's ephemeral range and guarded by an
+exclusive `flock` until its job ends (docs/internals.md, "The cluster", gives the rules).
 """
 
 from __future__ import annotations
@@ -115,7 +100,7 @@ class PortReservation:
 
 
 def reserve_ports(count: int, *, caller: str = "reserve_ports()") -> PortReservation:
-    """Reserve `count` distinct ports for a job on this machine (see the module's docstring).
+    """Reserve `count` distinct ports for a job on this machine (see docs/internals.md, "The cluster").
 
     Args:
       count: how many ports.

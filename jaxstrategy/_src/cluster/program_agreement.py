@@ -1,41 +1,10 @@
 """Every process of a job runs the same step program at each `run` call, or every process stops.
 
-In a job of several processes, each process dispatches its own copy of the step program, and
-the collectives inside it pair up with the other processes' by order alone. A process that runs
-another program at some step (a branch on `jax.process_index()`, a closure that differs between
-processes, a function swapped on one of them) exchanges mismatched data with no error: losses
-go wrong from that step on. So each process keeps the sequence of programs its `run` calls ran,
-and the processes compare them now and then, through JAX's coordination service:
-
-- when a step program is traced (compiled), its jaxpr is fingerprinted, and the function is
-  known from then on by its qualified name and that fingerprint, such as
-  `train_step (program 3f2a9c1e)`; a branch on the process inside the function, or a closure
-  value baked into the trace, changes the fingerprint;
-- each `run` call appends its program to this process's round: about a microsecond (0.8-1.5 µs
-  measured), and no call to the service;
-- every `CALLS_PER_ROUND` calls (more often at first: see `FIRST_ROUND_CALLS`) the round is
-  closed and handed to a thread of this check, so that no step waits for a round trip to the
-  coordinator. The thread posts the round
-  (run-length encoded: one entry per run of calls of one program, so a training loop posts
-  one short line) and counts itself in; the last process to arrive compares every process's
-  round with process 0's and, where they differ, posts the first difference: which call, and
-  which program each of the two processes ran there. Each thread reads that verdict once per
-  round;
-- once there is one, `run` raises a `RuntimeError` naming both programs, at this process's
-  next call and every later one.
-
-No process waits for another. A difference made at call c is found by the last process to
-arrive at the round that covers it, which raises within `CALLS_PER_ROUND` calls of c (plus the
-calls it makes during that round's round trips to the coordinator, a few milliseconds). The
-others read the verdict a round later, if they get there: where the step has collectives they
-wait in the next one for the process that raised, and that error, uncaught, ends them through
-`cluster/job_exits.py` with the same text. A job's last round, not closed, is not compared.
-A round costs each process three calls to the service, and the last to arrive two more:
-`3N + 2` in all every `CALLS_PER_ROUND` steps (and four more rounds in the first 32), made by
-the thread.
-
-Programs whose collectives do not match (another shape, another number of them) may instead
-fail or hang inside XLA before the next round; this check is for the ones that run.
+Collectives pair up between processes by order alone, so a process that runs another program at
+some step (a branch on `jax.process_index()`, say) exchanges mismatched data with no error. Each
+process records the programs its `run` calls ran, by their jaxprs' fingerprints; a thread
+compares them with the other processes' every few calls, through JAX's coordination service, and
+a difference makes `run` raise. docs/internals.md, "The cluster", tells how, and when it is seen.
 """
 
 from __future__ import annotations
@@ -103,7 +72,7 @@ def jaxpr_fingerprint(jaxpr: Any) -> str:
 
 
 class ProgramAgreement:
-    """One strategy's check that every process runs the same programs; see the module docstring.
+    """One strategy's check that every process runs the same programs (docs/internals.md, "The cluster").
 
     Args:
       caller: the call to name in messages, such as `MultiWorkerMirroredStrategy.run()`.

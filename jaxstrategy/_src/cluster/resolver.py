@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jaxstrategy._src.core.arguments import check_int, is_int
+from jaxstrategy._src.core.errors import format_call
 
 # The jobs whose tasks run the training program, in process order: the chief (if any) is
 # process 0 and hosts JAX's coordinator, then the workers in order.
@@ -155,7 +156,7 @@ class SimpleClusterResolver(ClusterResolver):
         self.process_id = process_id
         self.task_type = "worker"
         self.task_id = process_id
-        check_job(self, caller="SimpleClusterResolver")
+        check_job(self, caller="SimpleClusterResolver()")
 
     def _task_address(self, task_type: str | None, task_id: int | None) -> str:
         # Only process 0's address is known: the coordinator's.
@@ -165,40 +166,61 @@ class SimpleClusterResolver(ClusterResolver):
 def check_job(resolver: ClusterResolver, *, caller: str) -> None:
     """Raise unless `resolver`'s three facts describe a job JAX can start.
 
+    Messages name the resolver's facts as its constructor's arguments, after `caller` where that
+    is another call (the strategy given the resolver): `SimpleClusterResolver(process_id=True):
+    ...`, or `MultiWorkerMirroredStrategy(): TFConfigClusterResolver(num_processes=0): ...`.
+
+    Args:
+      resolver: the resolver to check.
+      caller: the call to name in messages, such as `SimpleClusterResolver()`.
+
     Raises:
       TypeError: a fact is missing, or a count is not an int.
       ValueError: a count is out of range, or the coordinator's address is not `host:port`.
     """
+    # strategies/multi_worker.py still passes the form from before callers were calls,
+    # "MultiWorkerMirroredStrategy(): TFConfigClusterResolver"; read it as its call until that
+    # site passes `caller=timeouts.caller` (then drop these three lines).
+    old_suffix = f": {type(resolver).__name__}"
+    if caller.endswith(old_suffix):
+        caller = caller.removesuffix(old_suffix)
+    constructor = f"{type(resolver).__name__}()"
+    prefix = "" if caller == constructor else f"{caller}: "
+
+    def facts_as_given(arguments: str) -> str:
+        return prefix + format_call(constructor, arguments)
+
     facts = {}
     for name in ("coordinator_address", "num_processes", "process_id"):
         if not hasattr(resolver, name):
             raise TypeError(
-                f"{caller} has no attribute {name!r}: a ClusterResolver sets coordinator_address, "
-                "num_processes, process_id, task_type and task_id in its constructor."
+                f"{prefix}{type(resolver).__name__} has no attribute {name!r}: a ClusterResolver sets "
+                "coordinator_address, num_processes, process_id, task_type and task_id in its "
+                "constructor."
             )
         facts[name] = getattr(resolver, name)
     address, num_processes, process_id = facts.values()
     for name in ("num_processes", "process_id"):
         value = facts[name]
-        check_int(value, f"{caller}({name}={value!r})", not_int=TypeError)
+        check_int(value, facts_as_given(f"{name}={value!r}"), not_int=TypeError)
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
-            f"{caller}(num_processes={num_processes}, process_id={process_id}): expected "
+            f"{facts_as_given(f'num_processes={num_processes}, process_id={process_id}')}: expected "
             "num_processes >= 1 and 0 <= process_id < num_processes."
         )
     if address is None:
         if num_processes > 1:
             raise ValueError(
-                f"{caller}(coordinator_address=None, num_processes={num_processes}): a job of "
-                "several processes needs the coordinator's 'host:port' (process 0's host, and a "
-                "free port there)."
+                f"{facts_as_given(f'coordinator_address=None, num_processes={num_processes}')}: a "
+                "job of several processes needs the coordinator's 'host:port' (process 0's host, "
+                "and a free port there)."
             )
         return
     problem = address_problem(address)
     if problem:
         raise ValueError(
-            f"{caller}(coordinator_address={address!r}): {problem}; expected 'host:port', such as "
-            "'10.0.0.1:1234'."
+            f"{facts_as_given(f'coordinator_address={address!r}')}: {problem}; expected "
+            "'host:port', such as '10.0.0.1:1234'."
         )
 
 

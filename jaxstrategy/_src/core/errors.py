@@ -1,4 +1,11 @@
-"""The exceptions jaxstrategy raises, and the helpers that format their messages."""
+"""The exceptions jaxstrategy raises, and the helpers that format their messages.
+
+A message starts with the public call that failed, as the user wrote it: a method with its class
+(`MirroredStrategy.run()`), a constructor (`ShardedStrategy()`), a function by its public path
+(`jaxstrategy.checkpoint.save()`). Functions that word messages for a call take it as `caller`, in
+that form and no other; a message about one argument writes it inside the parentheses with
+`format_call`, as in `ShardedStrategy(devices=[...]): ...`.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,18 @@ class InvalidDeviceError(JaxStrategyError, ValueError):
 
 class StrategyContextError(JaxStrategyError, RuntimeError):
     """A call made in the wrong context: another strategy's scope, or inside `run`."""
+
+
+def format_call(caller: str, arguments: str) -> str:
+    """`caller` (a call such as `'ShardedStrategy()'`) with `arguments` written between its parentheses.
+
+    Example:
+      >>> format_call("MultiWorkerMirroredStrategy()", "cluster_resolver=None")
+      'MultiWorkerMirroredStrategy(cluster_resolver=None)'
+    """
+    if not caller.endswith("()"):
+        raise ValueError(f"format_call({caller!r}, ...): expected a call such as 'ShardedStrategy()'.")
+    return f"{caller[:-1]}{arguments})"
 
 
 def format_path(prefix: str, path: Sequence[Any]) -> str:

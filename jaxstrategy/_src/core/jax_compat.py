@@ -1,21 +1,10 @@
 """Every private JAX API jaxstrategy uses, each reached through the places it has been seen.
 
-jaxstrategy needs a few things JAX keeps outside its public API: the class of its tracers and of
-its concrete arrays, whether its backends have started, the cluster environments
-`jax.distributed.initialize()` detects, and its distributed runtime's state (the coordinator's
-address and the client of the coordination service, which orbax and JAX's own `multihost_utils`
-reach the same way). Private paths may move in any JAX release, so each entry below lists the
-paths it may be found at, the preferred first, each tagged with the JAX versions seen having it
-(read in the 0.10.2 wheel installed here and in the 0.11.2 and 0.12.0.1 wheels from PyPI), and
-says what happens where none resolves: "cannot detect" where that is safe, a clear error naming
-the JAX version where it is not.
-
-A path resolves if it imports without an error or a `DeprecationWarning`, so a path JAX starts
-deprecating falls back quietly for users. `tests/core/test_jax_compat.py` checks that each entry
-resolves through its first path on the installed JAX: an upgrade that moves or deprecates one
-fails there, by name, rather than quietly somewhere else. Everything resolves once, at import
-(`import jax` has already imported every module named here): resolving later would swap warning
-filters, which are process-wide, while other threads run.
+Private paths may move in any JAX release, so each entry lists the paths it may be found at, the
+preferred first, tagged with the JAX versions seen having it, and says what happens where none
+resolves. A path that raises a `DeprecationWarning` does not resolve. Everything resolves once, at
+import; tests/core/test_jax_compat.py checks each first path. docs/internals.md, "Values", tells
+the rules and why.
 """
 
 from __future__ import annotations

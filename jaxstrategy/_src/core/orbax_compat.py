@@ -1,21 +1,10 @@
 """Every private orbax name jaxstrategy relies on, each reached through the places it has been seen.
 
-Checkpoints lean on a few facts orbax keeps outside its public API: the suffix of the temporary
-directory a step is written into (an unfinished save leaves it behind), the file that marks a
-pytree item and the item name a one-item `CheckpointManager` gives, which tell a checkpoint
-written by orbax alone, and the coroutine that reads one leaf, whose abandoned copies print
-"Exception ignored" when a read fails. As in `jax_compat.py`, each entry lists the paths it may
-be found at, the preferred first, tagged with the orbax versions seen having it (0.12.8, installed
-here); a fallback value, what those versions hold, serves where none resolves, so that a moved
-constant changes nothing for users. `tests/core/test_orbax_compat.py` checks that each entry
-resolves through its first path, and to its fallback, on the installed orbax: an upgrade that
-moves or changes one fails there, by name.
-
-Orbax is imported only by the checkpoint modules, which import this one: importing jaxstrategy
-does not import orbax. That happens lazily (`jaxstrategy.checkpoint` is loaded on first use),
-maybe while an input thread runs, so the names are read from the modules `import orbax.checkpoint`
-has loaded, without importing anything or swapping the process-wide warning filters as
-`jax_compat.resolve` does.
+As in `jax_compat.py`, each entry lists its paths, the preferred first, tagged with the orbax
+versions seen having it, and a fallback value for where none resolves. Names are read from the
+modules `import orbax.checkpoint` has loaded, importing nothing: this may run lazily, while an
+input thread runs. tests/core/test_orbax_compat.py checks each first path and fallback.
+docs/internals.md, "Values", tells what each name is for.
 """
 
 from __future__ import annotations

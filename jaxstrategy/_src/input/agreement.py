@@ -1,56 +1,10 @@
 """Ending an input pass at the same step on every process of a multi-process job.
 
-Each process reads its own input. If one process's input ends while the others still have
-batches, the others would go on to a step the first never runs and wait forever in its
-collectives. So the processes agree on how many steps a pass has, and a pass ends for all at
-the first step where not every process has a batch. They also check that their batches fit
-together: parts of different shapes (a short last batch on one process) would make a global
-array of memory nobody wrote, so that is an error on every process.
-
-They agree through JAX's coordination service (`cluster/coordination.py`). No device takes
-part, so agreeing runs in the input thread, ahead of the training steps, and never queues
-behind them. How often depends on whether every process's source has a length:
-
-**Per pass, when every source has a `len()`** (a list, an array, a `tf.data` dataset of known
-cardinality): the processes agree twice per pass, and check each batch between on their own.
-
-- At the first step, each process posts its first batch's signature (structure, shapes,
-  dtypes) and its number of batches. The pass has the smallest number of steps; the signatures
-  must be equal.
-- At every step but the first and last, each process checks its batch against the first's
-  signature, with no call to the service. A batch of another shape, or a source that runs out
-  before its `len()`, is an error: this process raises it at that step and posts it, and the
-  other processes raise it when they reach the last step's agreement (or JAX ends them within
-  a second, through `job_exits`, once this process ends).
-- At the last step, each process posts its last batch's signature (a short last batch is
-  legal where every process's is alike) and whether its source has more to give, before that
-  batch is handed out. Different signatures, or a source that yields more or fewer batches than
-  its `len()` says, are an error on every process at that step; processes whose sources are
-  longer than the pass leave the rest unread, with today's warning.
-
-That is two rounds per pass of about 3N calls each (N processes), and none per step.
-
-**Per step, otherwise**: before each step's batch is handed out, the processes agree on how
-many of them have one. Each step costs one write and one atomic increment per process, one
-blocking read for all but the last to arrive, and one read of every signature for the last:
-
-- a process with a batch writes its signature under the step;
-- it adds `1 + has_batch * (num_processes + 1)` to the step's counter, so the sum
-  carries both how many processes have arrived and how many of them have a batch;
-- the last to arrive publishes how many have a batch, or, when all have one but the signatures
-  differ, what each process has; and it deletes the previous step's keys
-  (every process has read them: each read them before arriving here);
-- the others wait for that result, a second at a time so that closing the iterator ends the
-  wait, and give up with an error after `timeout_s`;
-- at the step that ends the pass, each process counts itself out once it has the result, and
-  the last one deletes the step's keys.
-
-The first step's agreement is the same in both: its posts carry each process's number of
-batches, so that every process takes the same way.
-
-A process that dies is not waited for here: JAX's heartbeat ends every other process. The
-timeout catches processes that, all alive, wait on different keys: datasets created or iterated
-in different orders.
+Each process reads its own input. A process whose input ended would leave the others waiting
+forever in the next step's collectives, and batches of different shapes cannot make one global
+array. So the processes agree, through JAX's coordination service and in the input thread, on
+each pass's number of steps and on their batches' shapes: twice a pass where every source has a
+`len()`, at every step otherwise. docs/internals.md, "Input", describes the rounds.
 """
 
 from __future__ import annotations
@@ -81,7 +35,7 @@ def new_dataset_namespace() -> str:
 
 
 class StepAgreement:
-    """The processes' agreements over one pass; see the module docstring.
+    """The processes' agreements over one pass (docs/internals.md, "Input", describes them).
 
     Args:
       namespace: the pass's key prefix, the same on every process.
@@ -290,22 +244,23 @@ def _last_step_result(posts: dict[str, str], lengths: list[int], step: int) -> s
     """What the last to arrive at a pass's last step publishes: '' to go on, else the error."""
     by_process = {int(key.rpartition("/")[2]): json.loads(value) for key, value in posts.items()}
     steps = step + 1
-    liars = []
+    wrong_lengths = []
     for process, post in sorted(by_process.items()):
         said = lengths[process] if process < len(lengths) else steps
         if post["signature"] is None:
-            liars.append(_length_lie(process, said, f"only {step}"))
+            wrong_lengths.append(_wrong_length(process, said, f"only {step}"))
         elif said == steps and post["more"]:
-            liars.append(_length_lie(process, said, f"more than {said}"))
+            wrong_lengths.append(_wrong_length(process, said, f"more than {said}"))
         elif said > steps and not post["more"]:
-            liars.append(_length_lie(process, said, f"only {steps}"))
-    if liars:
-        return "\n".join(liars)
+            wrong_lengths.append(_wrong_length(process, said, f"only {steps}"))
+    if wrong_lengths:
+        return "\n".join(wrong_lengths)
     signatures = {process: post["signature"] for process, post in by_process.items()}
     return _mismatch(signatures) if len(set(signatures.values())) > 1 else ""
 
 
-def _length_lie(process: int, said: int, yielded: str) -> str:
+def _wrong_length(process: int, said: int, yielded: str) -> str:
+    """The error for a process whose source's `len()` said `said` batches but yielded `yielded`."""
     return (
         f"the input of process {process} says it has {said} batch(es) (its source's len()), but it "
         f"yields {yielded}. The processes agree on a pass's steps from those lengths, so a length "
@@ -322,7 +277,7 @@ def agreed_steps(
     `DroppedBatch` items pass through without a step of their own. When the processes' inputs
     end at different steps, a `DroppedBatch` carrying the warning comes last on every process.
     When every process knows its number of batches, only the pass's first and last steps are
-    agreed on (see the module docstring).
+    agreed on (docs/internals.md, "Input", describes both ways).
 
     Args:
       batches: this process's batches for one pass.
@@ -364,7 +319,7 @@ def _agreed_pass(
     n, me, steps = len(lengths), agreement.process_id, min(lengths)
     if steps < 1:  # Every process had a first batch, so a source that says it has none lied.
         raise ValueError(
-            f"{caller}: at step 0 of this pass, {_length_lie(lengths.index(steps), steps, 'some')}"
+            f"{caller}: at step 0 of this pass, {_wrong_length(lengths.index(steps), steps, 'some')}"
         )
     signature = batch_signature(first)
     item: T | None = first
@@ -375,7 +330,7 @@ def _agreed_pass(
             break  # The last step: agreed on below.
         problem = None
         if item is None:
-            problem = _length_lie(me, lengths[me], f"only {step}")
+            problem = _wrong_length(me, lengths[me], f"only {step}")
         elif (found := batch_signature(item)) != signature:
             problem = _unlike_first(me, found, signature)
         if problem is not None:

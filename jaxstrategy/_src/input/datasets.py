@@ -1,16 +1,9 @@
 """Distributed datasets: any host iterable of batches, prefetched onto a strategy's device(s).
 
-`DistributedDataset` wraps a source; each `iter()` starts a fresh pass: a `DistributedIterator`
-whose `PrefetchIterator` reads the source in a background thread and places each batch with a
-`BatchPlacer` (see `placement.py`). Sources are read through `sources.py`, which knows lists, iterables,
-`tf.data.Dataset` (through `as_numpy_iterator`), torch `DataLoader` and Grain loaders without
-importing any of them. `distribute_dataset` and `distribute_datasets_from_function` decide, for
-the strategy methods of those names, which sources a dataset reads and how their elements are
-grouped for the replicas (see `replica_batches.py`).
-
-Each batch travels with its sources' positions after it (see `iterator_state.py`), so that
-`DistributedIterator.get_state` counts what the user took, not what the thread read ahead, and
-`set_state` starts the pass again from there.
+`DistributedDataset` wraps its sources; each `iter()` starts a fresh pass, a `DistributedIterator`
+whose `PrefetchIterator` reads them in a background thread and places each batch. Each batch
+travels with its sources' positions after it, so that `get_state` counts what the user took.
+docs/internals.md, "Input", shows how the input modules fit together.
 """
 
 from __future__ import annotations
@@ -585,7 +578,7 @@ class OptionalBatch:
         """Return the batch; raise ValueError when there is none."""
         if not self._has_value:
             raise ValueError(
-                "get_value(): this optional has no value (the iterator reached the end); "
+                "OptionalBatch.get_value(): this optional has no value (the iterator reached the end); "
                 "check has_value() first."
             )
         return self._value

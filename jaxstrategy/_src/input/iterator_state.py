@@ -1,32 +1,9 @@
 """Where a pass over a distributed dataset stands: what `DistributedIterator.get_state` saves.
 
-A pass's position counts, for each of its sources (one per input pipeline), the elements that
-went into the batches the user has taken (by `next` or `get_next`). The background thread reads
-ahead of the user, so what it has read and placed but the user has not taken does not count: the
-thread notes each source's position after every batch it makes, and the iterator keeps the note
-of the last batch it handed out.
-
-A source's pass is restored in one of two ways:
-
-- its iterator has `get_state()` and `set_state(state)` (Grain's iterators, or any object with
-  that protocol): the state it had after the last element taken is saved, and set on a new pass.
-  The state must be bytes or JSON-serialisable (dicts, lists, strings, numbers) to be saved; one
-  that is not is still read past, and saving the position is the error, naming the source and
-  what JSON cannot hold (a numpy integer, say): a pass nobody saves needs no state;
-- any other re-iterable source: a new pass is started and the consumed elements are read and
-  dropped. That costs what reading them costs (none is copied or placed on a device), and a skip
-  that takes longer than `SLOW_SKIP_S` warns. The source must yield the same elements on every
-  pass it starts, as a list does; a shuffle must be seeded, by the pass's number. So the position
-  also holds a fingerprint of each such source's last element taken (`fingerprint`, computed in
-  the thread that reads it, on its host copy), and the restore compares it with the element the
-  new pass yields there: a source shuffled by a counter that restarts at 0 in a new process reads
-  another order, which is an error (a ValueError) rather than training on other data. A
-  pass that ended is read again to its last element for that check. Only that element is
-  compared: two orders that place the same batch there pass, which with shuffled examples is
-  chance alone. Positions saved before fingerprints restore unchecked.
-
-A one-shot source (a generator object) cannot start a new pass, so unless it has the protocol
-its position can never be restored: `get_state` says so rather than save one.
+A position counts, for each source, the elements that went into the batches the user has taken,
+not what the input thread read ahead. A source's pass is restored by its own iterator's
+`get_state`/`set_state` (Grain's), or else by reading the consumed elements again, checked by a
+fingerprint of the last one. docs/internals.md, "Input", tells why and what each way demands.
 """
 
 from __future__ import annotations
@@ -53,10 +30,8 @@ _KEYS = ("pass", "batches", "elements", "source_states", "end")
 # Saved since fingerprints were added; a position saved before has none, and restores unchecked.
 _FINGERPRINTS = "fingerprints"
 # A leaf's bytes summed for its fingerprint: all of them up to twice this, else the first and the
-# last this many, so a batch of images costs no more than a small one. 128x784 float32 (392 KiB,
-# summed whole) with 128 int32 labels costs 28-40 us, a copy (`bytes`, which google-crc32c requires)
-# and the sum, beside 9 us for the private copy and 135 us for device_put on CPU
-# (bench/input_pipeline.py); other data in another order differs within the first rows.
+# last this many, so a batch of images costs no more than a small one (its cost: docs/performance.md,
+# "The input pipeline"); other data in another order differs within the first rows.
 _SUMMED_BYTES = 1 << 18
 
 

@@ -126,11 +126,11 @@ class BatchPlacer:
 
 @functools.lru_cache(maxsize=16)
 def _one_device_placer(sharding: jax.sharding.Sharding) -> Callable[..., tuple[jax.Array, ...]]:
-    """Places host leaves on one device: a compiled identity, since `jax.device_put` spends ~100 us
-    of Python on a batch, where a jitted call hands its numpy arguments to JAX's C++ dispatch
-    (measured, a 128x784 float32 batch and its labels: 202 us a batch through the whole pipeline,
-    115 us this way). Its outputs are XLA's own buffers, never views of the host arrays. Over a
-    mesh, `device_put` stays faster: the jitted call would place every input whole."""
+    """Places host leaves on one device: a compiled identity, since `jax.device_put` spends its
+    time in Python on a batch, where a jitted call hands its numpy arguments to JAX's C++ dispatch
+    (docs/performance.md, "The input pipeline", compares them). Its outputs are XLA's own buffers,
+    never views of the host arrays. Over a mesh, `device_put` stays faster: the jitted call would
+    place every input whole."""
     return jax.jit(lambda *leaves: leaves, out_shardings=sharding)
 
 

@@ -1,26 +1,9 @@
 """A host-to-device prefetch iterator: a background thread keeps `buffer_size` elements placed ahead.
 
 Two placed batches in flight (double buffering) let the transfer of batch k+1 overlap the step on
-batch k, so the consumer never waits on a transfer it could have overlapped. The iterator knows no
-strategy: it is given a `put` function that turns a host element into whatever the consumer
-should receive.
-
-Lifetime rules, each one tested:
-- the thread ends when the source ends or raises, when `close()` is called, or when the iterator
-  is garbage-collected (so breaking out of a `for` loop ends it); the thread holds no reference to
-  the iterator, only to a small channel the two share;
-- an exception from the source or from `put` is re-raised in the consumer at the element it
-  belongs to, as the same object with its original traceback;
-- at most `buffer_size` elements are placed and not yet taken (a semaphore counts them), so with
-  the consumer's current one at most `buffer_size + 1` are alive;
-- every wait has a way out: the producer is woken by `close()`, the consumer too (even in another
-  thread), and it re-checks that the producer is still alive;
-- closing takes the same time whatever `buffer_size` is (it drops only what was placed);
-- at interpreter exit, threads still running are stopped and waited for (2 s at most in all):
-  one left inside a blocking call of JAX's runtime (the multi-process input agreement's) as Python
-  finalizes aborts the process;
-- several threads may share one iterator: a lock around taking an element gives each element to
-  exactly one of them, and the end to all of them.
+batch k. The iterator knows no strategy: a `put` function turns each host element into what the
+consumer receives. Its lifetime rules (when the thread ends, where errors surface, how many
+elements live at once) are listed in docs/internals.md, "Input"; each one is tested.
 """
 
 from __future__ import annotations
@@ -69,8 +52,9 @@ class _Channel:
         """
         self.stopped.set()
         # One release wakes the producer: it is the only thread that waits for a slot, and once
-        # awake it sees `stopped` and ends. Releasing one per slot instead cost 18 s at a buffer
-        # size of 10**7, at the end of every pass.
+        # awake it sees `stopped` and ends. Releasing one per slot instead made closing take as
+        # long as the buffer is large, at the end of every pass (docs/performance.md, "The input
+        # pipeline").
         self.free_slots.release()
         while True:
             try:

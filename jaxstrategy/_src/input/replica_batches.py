@@ -1,24 +1,10 @@
 """Host batches laid out for the replicas: split or grouped into equal parts, one part each.
 
 One SPMD program runs on every replica, so every replica's part of a batch must have the same
-shape. A strategy with several replicas takes its parts in one of three ways, as TensorFlow does:
-
-- `split` (`experimental_distribute_dataset`): each element is a global batch, cut along its
-  first axis into equal consecutive parts.
-- `consecutive` (`distribute_datasets_from_function`, one pipeline): each replica takes one whole
-  element, consecutive elements going to consecutive replicas.
-- `zip` (`distribute_datasets_from_function` with `PER_REPLICA`): replica `i` takes the next
-  element of pipeline `i`.
-
-The parts are stacked along a new leading axis (for `split` a reshape, without a copy), ready for
-one `jax.device_put` sharded along that axis. What cannot be made equal (a short last batch, a
-last group with fewer elements than replicas) follows `InputOptions.partial_batch`: an error that
-says what to do, a dropped batch with a warning, or zero padding with a mask of the real
-examples. This runs in the producer thread, so a dropped batch becomes a `DroppedBatch` in the
-stream, for the consumer to warn about where the user's loop reads it.
-
-A strategy describes its replicas to the input as a `ReplicaLayout`: how many, which are this
-process's, whether batches are stacked, and where they go.
+shape. The parts are taken as TensorFlow takes them (`split`, `consecutive` or `zip`: see
+docs/internals.md, "Input") and stacked along a new leading axis for one sharded `device_put`;
+what cannot be made equal follows `InputOptions.partial_batch`. A strategy describes its replicas
+to the input as a `ReplicaLayout`.
 """
 
 from __future__ import annotations
@@ -108,7 +94,8 @@ class ReplicaBatcher:
       local_replicas: the ids of this process's replicas (consecutive), whose parts it lays out;
         None for all. With `split` every process reads the same global batches and keeps its
         replicas' parts; otherwise this process's pipelines supply its replicas alone.
-      grouping: how replicas take their parts (see the module docstring).
+      grouping: how replicas take their parts (`split`, `consecutive` or `zip`; see
+        docs/internals.md, "Input").
       stacked: stack the parts along a new leading axis (False only for one replica, whose
         batch is then passed on as it is).
       partial_batch: 'error', 'drop' or 'pad' (see `InputOptions.partial_batch`).

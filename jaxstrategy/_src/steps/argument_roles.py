@@ -1,19 +1,9 @@
 """Sort a step's argument leaves into compile-time constants, donated arrays and kept arrays.
 
-`jax.jit` takes static and donated arguments by position or name at the top level only, while a
-step's arguments are whole pytrees whose leaves mix arrays with strings, enums and configs. So a
-call that cannot go through jit as it is (see cache.py) is flattened here instead: every leaf
-that is not an array, or that RunOptions names as static, joins one hashable `StaticSpec` that
-jit takes as a static argument; the leaves RunOptions donates form one donated list, the rest one
-kept list. `StaticSpec.rebuild` puts the three back together inside the traced function.
-
-The checks that only make sense for a whole call are made here too, with messages that name
-each bad argument by path: constants that cannot be hashed, options that name arguments the call
-does not pass, and an array donated while also passed elsewhere in the call, as the same
-object or as another array over the same device buffer (two `jax.device_put`s of one array make
-two such arrays). XLA refuses a buffer donated and used in one call on one device, and on several
-it crashes the process (a segfault, measured on JAX 0.10.2), so buffers are compared whenever a
-call donates: every call on the slow path, and the call that makes a donating fast entry.
+`jax.jit` takes static and donated arguments at the top level only, while a step's arguments are
+pytrees whose leaves mix arrays with strings, enums and configs. A call that cannot go through jit
+as it is is flattened here instead, and `StaticSpec.rebuild` puts it back together inside the
+trace. The checks of a whole call are made here too (docs/internals.md, "Running a step").
 """
 
 from __future__ import annotations
@@ -93,7 +83,7 @@ class ArgumentRoles:
     donate_argnums: tuple[int, ...] = ()
     donate_argnames: tuple[str, ...] = ()
     scalars_are_static: bool = False
-    caller: str = "run()"
+    caller: str = "Strategy.run()"
     # Per argument structure whose leaves are all jax arrays, where each leaf goes: there, a leaf's
     # role follows from its path alone, which a step's every call shares (see `split`).
     _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -272,7 +262,8 @@ class _Plan:
 def _sharing_a_donated_buffer(arrays: list[Any], donated_ids: set[int]) -> tuple[int, int] | None:
     """The positions of a donated array and of another array of `arrays` over one of its device
     buffers, or None. Arrays that are the same object are not compared (the identity checks come
-    first, and say so). Each array's buffers are read once: 2 us for one on four devices."""
+    first, and say so). Each array's buffers are read once (their cost: docs/performance.md,
+    "`run` against a bare `jax.jit`")."""
     buffers = [device_buffers(array) for array in arrays]
     owner: dict[tuple[int, int], int] = {}
     for position, array in enumerate(arrays):

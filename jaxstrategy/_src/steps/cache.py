@@ -1,34 +1,10 @@
 """Compile each step function once per strategy, then call it with its inputs placed.
 
-`Strategy.run` must cost about what a bare cached `jax.jit` call costs (measured here: a Python
-loop over the argument leaves alone adds 10%). So the hot path does no per-leaf Python work: a
-function seen before with array arguments is called through its entry in
-`StepCache.fast_entries` with `*args` (by strategies/run_path.py); jit's C++ dispatch flattens
-the arguments and places them through the pinned `in_shardings` (Python scalars and numpy
-arrays are transferred by jit itself, and arrays committed to another device are copied).
-Keyword arguments go through a second wrapper that takes `(args, kwargs)`, because jit cannot
-pin `in_shardings` for keyword arguments.
-
-Where the inputs go may depend on the arguments (on several replicas a `PerReplica` is split over
-them and the rest replicated): the cache then asks `in_shardings(args_and_kwargs)` on the slow
-path and keeps one jit per answer. The fast path calls the jit of the last answer; each such jit
-checks, when it traces, that the arguments still have its layout, and raises `LayoutChanged` (a
-ValueError) when not, so that `run` takes the slow path. jit alone would not always notice: a
-sharding pinned for a whole argument fits a `PerReplica` there too.
-
-On one device, pinning alone traces a function once for placed and unplaced inputs alike. Over a
-mesh it does not: JAX's trace cache keys on an input's mesh, so an array not yet on the mesh
-(made with `jnp.zeros`, say) and the same array coming back from a step trace the step twice. So
-there the call that makes a jit first moves JAX arrays that are not where their layout puts them.
-numpy arrays and Python scalars are left to jit.
-
-Arguments that are not arrays (strings, enums, configs) cannot go through jit as they are. jit
-rejects them before tracing, so the first such call takes the slow path: the arguments are
-flattened, the non-array leaves become one hashable static argument (see argument_roles.py), and
-that function stays on the slow path from then on. Buffer donation takes the slow path, which
-guards against donating a buffer that is used twice in one call, except on one device for calls
-of arrays alone: there the first call is checked and compiled with jit's own donation, and later
-ones go to it after an identity check for an array passed twice.
+`StepCache` keeps, per step function, the jits of its wrappers (one per input layout), and
+publishes in `fast_entries` those that `run`'s hot path may call directly with `*args`: steps
+called with positional arrays. Other calls (keyword arguments, leaves that are not arrays,
+donation on several devices) go through `__call__`, the slow path. docs/internals.md, "Running a
+step", tells which call takes which path, and why.
 """
 
 from __future__ import annotations
@@ -283,7 +259,7 @@ def _refusing_arrays_donated_twice(
     array) pass it, and XLA refuses the call before running it (this entry is for one device
     only, where it refuses rather than crashes), leaving the arguments intact: that call goes to
     the slow path too, which compares buffers and says where. Comparing buffers here instead
-    would cost 8% of a 20-leaf call."""
+    would cost more than the check saves (docs/performance.md, "`run` against a bare `jax.jit`")."""
     donated_positions = frozenset(donate_argnums)
 
     def call(*args: Any) -> PyTree:

@@ -1,31 +1,9 @@
 """Which outputs of a replica's traced function are the same on every replica.
 
-`run` traces its function once per replica with `jax.shard_map(..., check_vma=False)`, which
-gives TensorFlow's gradients (each replica differentiates its own function; a collective's
-gradient is a collective of the upstream gradients). JAX's type system then no longer says which
-values are replicated, so this module works it out from the traced jaxpr, with one forward pass:
-
-- a value *varies* (may differ between replicas) when it is, or is computed from, a `PerReplica`
-  argument, the replica id (`axis_index`), a host callback or foreign function (which may answer
-  differently on each device), a primitive with side effects (a read of a mutable array, say), or
-  a collective that leaves replicas with different parts (`ppermute`, `all_to_all`,
-  `psum_scatter`, a reduction over groups of replicas);
-- the result of a reduction or gather over the whole replica axis (`psum`, `pmean`, `pmax`,
-  `pmin`, `all_gather`) is the same everywhere, whatever its input;
-- everything else is replicated when all its inputs are: whole arguments, constants, values
-  closed over from outside `run`.
-
-Every process of a multi-process job must trace the same program (JAX requires it), so values
-baked into the program, such as Python numbers, count as the same everywhere.
-
-The pass follows nested jaxprs (`jit`, `remat`, `custom_jvp`/`custom_vjp`, `cond`, `while`,
-`scan`), iterating loops to a fixpoint; a `cond` or `while` whose predicate varies makes its
-results vary. A primitive it does not know, with jaxprs inside, is treated soundly: its outputs
-vary when any input varies or when anything inside could introduce variation. Any other
-primitive without side effects is taken to compute its outputs from its inputs alone, as JAX's
-pure primitives do. The answer may say "varies" for a value that happens to be the same
-everywhere (that costs a `PerReplica`, never a wrong value); tests/steps/test_replication.py checks,
-case by case, that what it calls replicated is the same on every device.
+`run` traces its function with `jax.shard_map(..., check_vma=False)` to get TensorFlow's
+gradients, and so loses JAX's own account of which values are replicated: `varying_outputs` works
+it out again from the traced jaxpr, in one forward pass. docs/internals.md, "Running a step", gives
+its rules; tests/steps/test_replication.py checks them case by case on every device's values.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """One SPMD program for all replicas: a step function wrapped in `jax.shard_map` over a mesh axis.
 
 `per_replica_program(fn, ...)` returns a function that, traced by `jax.jit`, runs `fn` once per
-replica as a single program. A `PerReplica` argument gives each replica its own component; every
-other array argument is seen whole by every replica; non-array leaves (static arguments) are
-closed over. `fn` is traced once.
-
-Each replica differentiates its own function, as in TensorFlow: `jax.grad` of a replica's loss
-with respect to a whole argument gives that replica's gradient, and a collective's gradient is
-the collective of the upstream gradients (`psum` for `psum`, `psum_scatter` for `all_gather`).
-JAX's replication types (`check_vma`) would instead sum a whole argument's gradient over the
-replicas, so they are off, and `replication.py` decides from the traced jaxpr which outputs are
-the same on every replica (an `all_reduce` result, or a value computed only from arguments every
-replica sees whole): those come back as ordinary replicated arrays, the rest as `PerReplica`s.
-`shard_map` needs its `out_specs` before tracing, so every output first leaves stacked along a
-new replica axis; the replicated ones are then unstacked by a second `shard_map` in which each
-device keeps its own copy, so no data moves between devices.
+replica as a single program: a `PerReplica` argument gives each replica its own component, any
+other array is seen whole. Outputs the same on every replica come back replicated, the rest as
+`PerReplica`s. docs/internals.md, "Running a step", tells why gradients are TensorFlow's.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Where each leaf of a sharded strategy's trees lives: a `PartitionSpec` over its replica's axes.
 
-`ShardedStrategy` keeps every replica's model split over the replica's devices: S of them along
-`'shard'` (fully sharded data parallelism: each device holds a part, gathered where a step needs
-it) times M along `'model'` (tensor parallelism: a layer's computation itself split, as Megatron
-does, only where a rule or an annotation names `'model'`). Which dimension of a leaf is split is
-decided, in this order, by:
-
-1. the leaf's own declaration: a Flax NNX Variable's sharding metadata (`nnx.with_partitioning`),
-   its logical names mapped through `nnx.logical_axis_rules`;
-2. the user's rules, `(regex, spec)` pairs as Keras's `LayoutMap`: a rule applies to a leaf when
-   its regex `fullmatch`es the leaf's path (keys joined by `/`, as `dense/kernel`) or a trailing
-   part of it made of whole keys, so that `dense/kernel` also decides the kernel inside
-   `(params, opt_state)` and Adam's moment `mu/dense/kernel`: optimizer state follows its
-   parameter. Two rules for one leaf are an error naming both;
-3. what the leaf follows: in `run` and `init`, an output whose path ends with an input's path
-   and has its shape is laid out as that input is, so a new parameter tree comes back where the
-   old one was, however that was decided;
-4. the default (big_vision's and TensorFlow's `MinSizePartitioner`'s rule): split the largest
-   dimension that S divides, for leaves of at least `min_shard_bytes`; smaller leaves and leaves
-   no dimension of which S divides are replicated (the latter, when large, with one warning).
-
-Nothing here is ever split over `'replica'`: each replica holds its whole model, split within.
-Without a `'model'` axis (M = 1) a spec's `'model'` entries are dropped, so that one layout
-serves a strategy with tensor parallelism and one without; a spec that names `'model'` alone
-then decides nothing, and the leaf is laid out by what comes after it (3, 4), as if nothing
-named it.
+`ShardedStrategy` splits every replica's model over the replica's devices, along `'shard'` (fully
+sharded data parallelism) and `'model'` (tensor parallelism), never over `'replica'`. A leaf's
+spec comes from its own declaration (NNX sharding metadata), else the user's rules, else the input
+it follows, else the default of splitting its largest divisible dimension; docs/internals.md,
+"Values", gives the rules in full.
 """
 
 from __future__ import annotations

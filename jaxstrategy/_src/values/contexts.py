@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstrategy._src.core.arguments import check_int
-from jaxstrategy._src.core.errors import StrategyContextError
+from jaxstrategy._src.core.errors import StrategyContextError, format_call
 from jaxstrategy._src.core.tree_checks import require_array_leaves
 from jaxstrategy._src.core.types import PyTree, StrategyLike
 from jaxstrategy._src.values.reduce_op import ReduceOp, as_reduce_op, axes_of_leaves, mean_dtype
@@ -52,23 +52,23 @@ def entered(strategy: StrategyLike, replica_context: ReplicaContext[Any] | None 
         STATE.reset(token)
 
 
-def require_cross_replica_context(strategy: StrategyLike, call: str, *, in_run_hint: str) -> None:
+def require_cross_replica_context(strategy: StrategyLike, caller: str, *, in_run_hint: str) -> None:
     """Raise unless `strategy` may be used here: outside `run`, and not in another strategy's scope.
 
     Args:
       strategy: the strategy whose method is being called.
-      call: the call to name in the message, such as `reduce()`.
+      caller: the call to name in the message, such as `MirroredStrategy.reduce()`.
       in_run_hint: what to do instead when called inside `run`.
     """
     state = STATE.get()
     if state.replica_context is not None:
         raise StrategyContextError(
-            f"{call} requires the cross-replica context, but it was called inside "
+            f"{caller} requires the cross-replica context, but it was called inside "
             f"Strategy.run (the replica context). {in_run_hint}"
         )
     if state.strategy is not None and state.strategy != strategy:
         raise StrategyContextError(
-            f"Mixing different Strategy objects: {call} was called on {strategy!r} inside the "
+            f"Mixing different Strategy objects: {caller} was called on {strategy!r} inside the "
             f"scope of {state.strategy!r}. Leave that scope first, or use one strategy for both."
         )
 
@@ -89,14 +89,16 @@ def set_strategy(strategy: StrategyLike | None) -> None:
     """What `jaxstrategy.experimental_set_strategy` does (`strategies/strategy.py`)."""
     if strategy is not None and not isinstance(strategy, _registered().base):
         raise TypeError(
-            f"experimental_set_strategy(): expected a jaxstrategy strategy or None; got {strategy!r}."
+            f"jaxstrategy.experimental_set_strategy(): expected a jaxstrategy strategy or None; "
+            f"got {strategy!r}."
         )
     state = STATE.get()
     if state is not OUTSIDE_EVERY_SCOPE and state is not _SET_STATE.get():
         where = "inside run" if state.replica_context is not None else "in its scope"
         raise RuntimeError(
-            "experimental_set_strategy(): Must not be called inside a `jaxstrategy.Strategy` scope "
-            f"({state.strategy!r} is current, {where}). Leave the scope first."
+            "jaxstrategy.experimental_set_strategy(): Must not be called inside a "
+            f"`jaxstrategy.Strategy` scope ({state.strategy!r} is current, {where}). Leave the "
+            "scope first."
         )
     new_state = OUTSIDE_EVERY_SCOPE if strategy is None else _State(strategy)
     STATE.set(new_state)
@@ -338,9 +340,9 @@ class ValueContext:
     num_replicas_in_sync: int = 1
 
     def __post_init__(self) -> None:
-        _check_count("ValueContext", "num_replicas_in_sync", self.num_replicas_in_sync)
+        _check_count("ValueContext()", "num_replicas_in_sync", self.num_replicas_in_sync)
         _check_index(
-            "ValueContext",
+            "ValueContext()",
             "replica_id_in_sync_group",
             self.replica_id_in_sync_group,
             self.num_replicas_in_sync,
@@ -370,9 +372,9 @@ class InputContext:
     num_replicas_in_sync: int = 1
 
     def __post_init__(self) -> None:
-        _check_count("InputContext", "num_input_pipelines", self.num_input_pipelines)
-        _check_index("InputContext", "input_pipeline_id", self.input_pipeline_id, self.num_input_pipelines)
-        _check_count("InputContext", "num_replicas_in_sync", self.num_replicas_in_sync)
+        _check_count("InputContext()", "num_input_pipelines", self.num_input_pipelines)
+        _check_index("InputContext()", "input_pipeline_id", self.input_pipeline_id, self.num_input_pipelines)
+        _check_count("InputContext()", "num_replicas_in_sync", self.num_replicas_in_sync)
 
     def __str__(self) -> str:  # TensorFlow's text, with this library's name.
         pipeline, total = self.input_pipeline_id, self.num_input_pipelines
@@ -399,12 +401,12 @@ class InputContext:
         return global_batch_size // self.num_replicas_in_sync
 
 
-def _check_count(owner: str, field: str, value: Any) -> None:
-    check_int(value, f"{owner}({field}={value!r})", at_least=1)
+def _check_count(caller: str, field: str, value: Any) -> None:
+    check_int(value, format_call(caller, f"{field}={value!r}"), at_least=1)
 
 
-def _check_index(owner: str, field: str, value: Any, count: int) -> None:
-    check_int(value, f"{owner}({field}={value!r})", at_least=0, below=count)
+def _check_index(caller: str, field: str, value: Any, count: int) -> None:
+    check_int(value, format_call(caller, f"{field}={value!r}"), at_least=0, below=count)
 
 
 class StrategyScope(Generic[_S]):
@@ -417,7 +419,11 @@ class StrategyScope(Generic[_S]):
 
     def __enter__(self) -> _S:
         require_cross_replica_context(
-            self._strategy, "scope()", in_run_hint="Enter the scope outside the function given to run()."
+            self._strategy,
+            # Not yet `f"{type(self._strategy).__name__}.scope()"`, the house format: the tests of
+            # the strategies match "scope() was called on" (tests/strategies/test_one_device.py).
+            "scope()",
+            in_run_hint="Enter the scope outside the function given to run().",
         )
         with contextlib.ExitStack() as stack:
             stack.enter_context(entered(self._strategy))

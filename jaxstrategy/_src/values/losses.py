@@ -1,27 +1,10 @@
 """TensorFlow's loss-scaling helpers for training with several replicas (`tf.nn` in TF).
 
-Inside `run` each replica differentiates its own loss. To train as one device would on the
-global batch, a replica's loss is its examples' losses summed and divided by the *global* batch
-size, and the replicas' gradients are then summed with `all_reduce('sum')`:
-`compute_average_loss` does that division, `scale_regularization_loss` divides a loss that every
-replica adds in full (weight decay, say) by the number of replicas, so that the sum counts it once.
-
-Numbers that TensorFlow lets change silently do not here. A global batch size that JAX's 32-bit
-integers would wrap (`np.int64(2**32 + 2)` became 2) is refused. Losses narrower than float32
-are summed and divided in float32 and the result cast back: float16 tops out at 65504, so in
-TensorFlow, which divides in the losses' dtype, a global batch of 70000 gives a loss of 0.
-
-A negative global batch size computed inside `run` (a traced value) cannot be refused there:
-TensorFlow's run-time assertion has no counterpart in a compiled JAX program short of
-`jax.experimental.checkify`, which must wrap the outermost `jax.jit` and have its error read
-after every call. `run` may itself be inside a user's `jax.jit`, whose boundary the library does
-not own; and where it owns it, reading the error waits for every step, so the host can no longer
-queue the next one while a step runs. `bench/loss_checks.py` measured that at 2.4 to 4.7 times the
-time of a small MLP step (16 to 57 us, three runs on two shared CPU cores), and no difference for
-a 3 ms step (0.94 to 1.00). So the loss, and with it every gradient, is nan instead: one
-`jnp.where`, whose cost the same runs could not tell from noise (ratios 0.96 to 1.02), and a nan
-is seen where a loss of the wrong sign would quietly train the model backwards.
-`docs/semantics.md` lists it as a departure.
+Each replica divides its examples' summed losses by the *global* batch size, and the replicas'
+gradients are summed, so that training goes as one device would on the global batch. Numbers that
+TensorFlow lets change silently (a wrapped batch size, a float16 overflow) do not here, and a
+negative traced batch size gives nan rather than a check that would stall the host:
+docs/internals.md, "Values", tells why.
 """
 
 from __future__ import annotations
@@ -116,7 +99,7 @@ def compute_average_loss(
     safe_divisor = jnp.where(divisor == 0, 1, divisor)
     if is_tracer(global_batch_size):
         # Negative, it would turn training around. TensorFlow asserts at run time; a compiled
-        # program cannot raise (see the module docstring), so the loss and its gradients are nan.
+        # program cannot raise (docs/internals.md, "Values"), so the loss and its gradients are nan.
         safe_divisor = jnp.where(divisor < 0, jnp.nan, safe_divisor)
     return jnp.where(divisor == 0, jnp.zeros_like(total), total / safe_divisor).astype(dtype)
 

@@ -51,8 +51,8 @@ class InputOptions:
         devices with a source already in memory (a list, tuple or numpy array) in a job of one
         process, where it is 0.
         There the copy is CPU work that a thread would run while the step computes, on the same
-        cores: 1.13x a bare `jax.jit` loop's step time, where the calling thread costs 1.11x
-        (bench/vs_keras.py, 2 cores; see the performance guide). TensorFlow's default is 1.
+        cores, so it gains nothing (docs/performance.md, "Against Keras `fit` and a bare loop").
+        TensorFlow's default is 1.
       partial_batch: what to do with a batch that cannot be split evenly over the replicas (one
         SPMD program needs the same shape on every replica), such as a short last batch on a
         strategy with several replicas. 'error' (the default) raises, naming the batch's size;

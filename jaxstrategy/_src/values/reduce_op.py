@@ -128,7 +128,8 @@ def reduce_tree(op: ReduceOp, tree: PyTree, axis: Any, *, caller: str) -> PyTree
 
     Example:
       >>> import jax.numpy as jnp
-      >>> reduce_tree(ReduceOp.MEAN, {'x': jnp.arange(4)}, 0, caller='reduce')['x'].tolist()
+      >>> mean = reduce_tree(ReduceOp.MEAN, {'x': jnp.arange(4)}, 0, caller='MirroredStrategy.reduce()')
+      >>> mean['x'].tolist()
       1.5
     """
     axes = axes_of_leaves(tree, axis, caller=caller, why=" to reduce along an axis")
