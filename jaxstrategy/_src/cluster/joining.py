@@ -54,7 +54,7 @@ def join_cluster(resolver: ClusterResolver | None, settings: JoinSettings) -> Cl
             "a jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver (or another "
             "ClusterResolver), or None."
         )
-    check_job(resolver, caller=f"{settings.caller}: {type(resolver).__name__}")
+    check_job(resolver, caller=settings.caller)
     if jax.distributed.is_initialized():
         _require_running_job(resolver, settings.caller)
     elif resolver.num_processes > 1:

@@ -178,12 +178,6 @@ def check_job(resolver: ClusterResolver, *, caller: str) -> None:
       TypeError: a fact is missing, or a count is not an int.
       ValueError: a count is out of range, or the coordinator's address is not `host:port`.
     """
-    # strategies/multi_worker.py still passes the form from before callers were calls,
-    # "MultiWorkerMirroredStrategy(): TFConfigClusterResolver"; read it as its call until that
-    # site passes `caller=timeouts.caller` (then drop these three lines).
-    old_suffix = f": {type(resolver).__name__}"
-    if caller.endswith(old_suffix):
-        caller = caller.removesuffix(old_suffix)
     constructor = f"{type(resolver).__name__}()"
     prefix = "" if caller == constructor else f"{caller}: "
 

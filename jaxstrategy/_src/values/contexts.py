@@ -420,8 +420,7 @@ class StrategyScope(Generic[_S]):
     def __enter__(self) -> _S:
         require_cross_replica_context(
             self._strategy,
-            # Not yet `f"{type(self._strategy).__name__}.scope()"`, the house format: the tests of
-            # the strategies match "scope() was called on" (tests/strategies/test_one_device.py).
+            # The message reads "scope() was called on <the strategy's repr>", which names it.
             "scope()",
             in_run_hint="Enter the scope outside the function given to run().",
         )
