@@ -107,9 +107,9 @@ def test_wrong_types_are_a_type_error(spec):
         resolve_device(spec)
 
 
-def test_the_caller_is_named():
+def test_the_owner_is_named_with_the_argument_as_passed():
     with pytest.raises(InvalidDeviceError, match=r"^MirroredStrategy\(device='bogus'\)"):
-        resolve_device("bogus", caller="MirroredStrategy")
+        resolve_device("bogus", owner="MirroredStrategy")
 
 
 def test_canonical_names():

@@ -128,7 +128,8 @@ def reduce_tree(op: ReduceOp, tree: PyTree, axis: Any, *, caller: str) -> PyTree
 
     Example:
       >>> import jax.numpy as jnp
-      >>> mean = reduce_tree(ReduceOp.MEAN, {'x': jnp.arange(4)}, 0, caller='MirroredStrategy.reduce()')
+      >>> caller = 'MirroredStrategy.reduce()'
+      >>> mean = reduce_tree(ReduceOp.MEAN, {'x': jnp.arange(4)}, 0, caller=caller)
       >>> mean['x'].tolist()
       1.5
     """
