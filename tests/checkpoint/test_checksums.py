@@ -17,7 +17,7 @@ from checkpoint_support import assert_bit_exact, every_kind_of_leaf, largest_fil
 
 import jaxstrategy
 from jaxstrategy import checkpoint
-from jaxstrategy._src.checkpoint import checksums, regions
+from jaxstrategy._src.checkpoint import checksums, regions, verification
 from jaxstrategy.testing import run_local_workers
 
 # --- checksums ---------------------------------------------------------------------------------
@@ -436,7 +436,7 @@ _JOB = textwrap.dedent(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                restore._verify({"w": split}, regions, checksums.ALGORITHM, "the job")
+                restore._verify({"w": split}, regions, checksums.CRC32C_SUMS, "the job")
             except checkpoint.CorruptCheckpointError as error:
                 caught.append(error)
         said.append([str(getattr(w, "message", w)) for w in caught])
@@ -535,10 +535,13 @@ def test_saved_shards_are_checked_from_whatever_sharding_they_restore_onto(cpu_d
     values = np.random.default_rng(6).standard_normal((8, 6), dtype=np.float32)
     saved = {"w": _saved_regions(values, sharding((2,), ("x",)))}
     assert sorted(saved["w"]) == [((0, 4), (0, 6)), ((4, 8), (0, 6))]
-    assert checksums.mismatches({"w": jax.device_put(values, shardings[onto])}, saved) == checksums.Findings()
+    assert (
+        verification.mismatches({"w": jax.device_put(values, shardings[onto])}, saved)
+        == verification.Findings()
+    )
     damaged = values.copy()
     damaged[5, 4] += 1
-    findings = checksums.mismatches({"w": jax.device_put(damaged, shardings[onto])}, saved)
+    findings = verification.mismatches({"w": jax.device_put(damaged, shardings[onto])}, saved)
     found = findings.damaged
     assert findings.unchecked == [] and findings.partial == {} and len(found) == 1
     assert re.fullmatch(r"w\[4:8, 0:6\]: crc32c 0x[0-9a-f]{8}, saved 0x[0-9a-f]{8}", found[0]), found
@@ -559,7 +562,7 @@ def test_a_region_s_checksum_is_put_together_from_partial_sums_of_its_parts(part
         }
         for process in range(parts)
     }
-    assert checksums.combine(partial) == []
+    assert verification.combine(partial) == []
     damaged = values.copy()
     damaged[3, 6] = np.nextafter(damaged[3, 6], np.inf)  # One bit.
     partial[int(owner[3, 6])]["w[0:5, 0:7]"] = (
@@ -567,7 +570,7 @@ def test_a_region_s_checksum_is_put_together_from_partial_sums_of_its_parts(part
         checksums.crc32c(np.where(owner == owner[3, 6], damaged, 0)),
         values.nbytes,
     )
-    (line,) = checksums.combine(partial)
+    (line,) = verification.combine(partial)
     processes = ", ".join(map(str, range(parts)))
     assert re.fullmatch(
         rf"w\[0:5, 0:7\]: crc32c 0x[0-9a-f]{{8}}, saved 0x[0-9a-f]{{8}} \(split over processes {processes}\)",
@@ -695,8 +698,10 @@ def test_a_file_without_a_checksum_is_refused():
             "read it unchecked."
         ),
     ):
-        checksums.check_file("process_1-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")})
-    checksums.check_file("process_0-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")})
+        verification.check_file(
+            "process_1-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")}
+        )
+    verification.check_file("process_0-of-2.json", b"{}", {"process_0-of-2.json": checksums.crc32c(b"{}")})
 
 
 def test_a_step_the_interval_skips_takes_no_checksums(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import checksums, stored_leaves
+from jaxstrategy._src.checkpoint import stored_leaves, verification
 from jaxstrategy._src.checkpoint.format import (
     ITERATOR_STATES_HANDLER_TYPESTR,
     ITERATORS_ITEM,
@@ -94,7 +94,7 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
             )
         data = own.read_bytes()
         if saved is not None:
-            checksums.check_file(own.name, data, saved)
+            verification.check_file(own.name, data, saved)
         return dict(json.loads(data))
 
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import checksums, regions, stored_leaves
+from jaxstrategy._src.checkpoint import regions, stored_leaves, verification
 from jaxstrategy._src.checkpoint.format import (
     PRNG_KEYS_ITEM,
     STATE_ITEM,
@@ -141,10 +141,10 @@ def step_metadata(manager: ocp.CheckpointManager, step: int, where: str) -> Any:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
 
 
-def step_checksums(metadata: Any, step_directory: Path, where: str) -> checksums.SavedChecksums | None:
+def step_checksums(metadata: Any, step_directory: Path, where: str) -> verification.StepChecksums | None:
     """The checksums saved with the step, checked to be whole; None for a step saved before them."""
     try:
-        return checksums.load(step_directory, metadata.custom_metadata)
+        return verification.load(step_directory, metadata.custom_metadata)
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
 
@@ -157,7 +157,7 @@ def restore_step(
     placement: Placement,
     target: PyTree,
     *,
-    saved_checksums: checksums.SavedChecksums | None,
+    saved_checksums: verification.StepChecksums | None,
 ) -> PyTree:
     """Restore `step` of `manager`'s checkpoint (`metadata` its orbax metadata) by `placement`,
     shaped as `target` (the saved structure when None), checked against `saved_checksums`
@@ -192,7 +192,7 @@ def restore_step(
     verify = None
     if saved_checksums is not None and saved_regions is not None:
         verify = functools.partial(
-            _verify, saved_regions=saved_regions, algorithm=saved_checksums.algorithm, where=where
+            _verify, saved_regions=saved_regions, sums=saved_checksums.sums, where=where
         )
     return _restore_state(read, saved, prng_impls, zero_size, placement, target, where, verify=verify)
 
@@ -274,9 +274,14 @@ def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
 
 
 def _verify(
-    restored: PyTree, saved_regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
+    restored: PyTree,
+    saved_regions: dict[str, dict[regions.Region, int]],
+    sums: regions.RegionSums,
+    where: str,
 ) -> None:
-    findings = checksums.mismatches(restored, saved_regions, algorithm)
+    """Raise, on every process of the job together, if the bytes `restored` differ from the
+    `saved_regions`' checksums (summed as `sums` says); warn of regions left unchecked."""
+    findings = verification.mismatches(restored, saved_regions, sums)
     damaged, unchecked = findings.damaged, findings.unchecked
     if any(
         not leaf.is_fully_addressable for leaf in jax.tree.leaves(restored) if isinstance(leaf, jax.Array)
@@ -292,7 +297,7 @@ def _verify(
     if unchecked:
         warnings.warn(
             f"Restoring the checkpoint at {where}: these parts of leaves, saved whole by one process "
-            "with the checksums of jaxstrategy 0.1, are restored split over processes, so no process "
+            f"with {sums.described}, are restored split over processes, so no process "
             f"holds one whole to check it against its checksum, and they restore unchecked: {unchecked}. "
             "Restore onto a sharding that keeps each leaf within one process to check them, or save "
             "the step again with this version.",
@@ -305,7 +310,7 @@ def _verify(
 _FINDINGS_TIMEOUT_S = 300
 
 
-def _every_process_finding(findings: checksums.Findings, where: str) -> tuple[list[str], list[str]]:
+def _every_process_finding(findings: verification.Findings, where: str) -> tuple[list[str], list[str]]:
     """What every process of the job found, so that all of them raise, or warn, together: the
     damaged regions each found alone, those split between processes, checked from every
     process's partial checksums, and the regions left unchecked.
@@ -327,7 +332,7 @@ def _every_process_finding(findings: checksums.Findings, where: str) -> tuple[li
         every_damaged += [f"{line} (found by process {process})" for line in finding["damaged"]]
         every_unchecked += [part for part in finding["unchecked"] if part not in every_unchecked]
         partial[process] = {where: tuple(sums) for where, sums in finding["partial"].items()}
-    return every_damaged + checksums.combine(partial), every_unchecked
+    return every_damaged + verification.combine(partial), every_unchecked
 
 
 def _abstract_target(
