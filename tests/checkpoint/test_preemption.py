@@ -605,7 +605,7 @@ def test_the_processes_stop_at_the_furthest_step_any_has_started(checkpointer, a
     # Its signal is seen before step 6; process 0 had started 9 steps: both stop at 9.
     assert handler.preempted and checkpointer.latest_step() == 9
     assert checkpointer.restore()["w"].tolist() == [9.0]
-    assert client.values[f"{handler._namespace}/request"] == "1"
+    assert client.values[f"{handler._agreement.namespace}/request"] == "1"
 
 
 def test_a_process_that_never_answers_is_a_timeout(checkpointer, as_process_1_of_2):
