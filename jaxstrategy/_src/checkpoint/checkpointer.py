@@ -53,6 +53,7 @@ from jaxstrategy._src.checkpoint.format import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     check_step,
+    format_record,
     is_complete,
 )
 from jaxstrategy._src.checkpoint.placement import placement_of
@@ -204,7 +205,8 @@ class Checkpointer:
             items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonSave(zero_size_shapes)
         if iterator_positions is not None:
             items[ITERATORS_ITEM] = iterator_positions
-        record = None
+        # Committed with the step, in its `_CHECKPOINT_METADATA` (docs/internals.md says why there).
+        step_metadata = format_record()
         # Only for a step orbax writes: summing copies every shard to the host.
         if checksums.write_checksums and (force or self._manager.should_save(step)):
             orbax_json: dict[str, Any] = {PRNG_KEYS_ITEM: prng_impls}
@@ -212,10 +214,10 @@ class Checkpointer:
                 orbax_json[ZERO_SIZE_SHAPES_ITEM] = zero_size_shapes
             own_files = {} if iterator_positions is None else iterators.own_file(iterator_positions)
             items[CHECKSUMS_ITEM] = checksums.save_args(state, orbax_json=orbax_json, own_files=own_files)
-            record = checksums.step_record()  # In the step's metadata: `checksums.py` says why.
+            step_metadata |= checksums.step_record()
         with self._writer.writing(self._write_failure(step)):
             saved = self._manager.save(
-                step, args=ocp.args.Composite(**items), force=force, custom_metadata=record
+                step, args=ocp.args.Composite(**items), force=force, custom_metadata=step_metadata
             )
             return bool(saved)
 

@@ -54,6 +54,7 @@ from jaxstrategy._src.checkpoint.format import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    check_format,
     check_step,
     is_complete,
 )
@@ -134,11 +135,14 @@ def restore_item(item: Path, placement: Placement, target: PyTree) -> PyTree:
 
 
 def step_metadata(manager: ocp.CheckpointManager, step: int, where: str) -> Any:
-    """Orbax's metadata of `step` (its items' metadata, its custom metadata), read once."""
+    """Orbax's metadata of `step` (its items' metadata, its custom metadata), read once, the step
+    checked to be of a format this version reads before anything else is read."""
     try:
-        return manager.metadata(step)
+        metadata = manager.metadata(step)
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+    check_format(metadata.custom_metadata, where)
+    return metadata
 
 
 def step_checksums(metadata: Any, step_directory: Path, where: str) -> verification.StepChecksums | None:
