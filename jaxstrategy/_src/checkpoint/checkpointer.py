@@ -1,31 +1,9 @@
-"""Save and restore variable pytrees with orbax, restoring straight onto any strategy's layout.
+"""`Checkpointer`, `save` and `restore`: numbered checkpoints of a training loop, saved with orbax.
 
-A checkpoint directory holds one subdirectory per step, written by orbax's `CheckpointManager`:
-orbax writes a step into a temporary directory and renames it when complete, so a process killed
-mid-save leaves the previous steps intact and the partial one invisible. What a step holds (the
-arrays, PRNG keys' implementations, zero-size arrays' shapes, checksums, iterator positions) is
-in `format.py`; how leaves are stored and read back, in `stored_leaves.py`. Nothing is pickled.
-
-Only a step directory holding the required items counts as a step: orbax lists steps by name
-alone, so a stray empty `5/` would otherwise become the newest step, to restore from and to
-count against `max_to_keep`. Such directories are skipped with a warning.
-
-Restoring reads every array directly onto the target strategy, whatever strategy saved it, as
-`restore.py` describes: onto its sharding, or on `ShardedStrategy` each leaf onto its own layout
-(`placement.py`); this module finds the step to read.
-
-`save` refuses a tree two of whose leaves would be stored under one name (orbax joins keys with
-'.', the JSON maps with '/', so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice), rather than
-escape keys, which would rename the leaves of existing checkpoints.
-
-A directory written by orbax alone (`ocp.StandardCheckpointer`, or an `ocp.CheckpointManager`
-saving one `default` item) is restored the same way.
-
-Nothing silent: a step also holds `checksums`, a CRC32C of every array shard and every JSON item
-it holds, checked on restore (`checksums.py`); a save holds the directory's lock until it is on
-disk, so a second, independent writer is refused rather than racing it (`lock.py`); a write that fails
-for want of space or permission is one OSError naming the directory and the cause, without
-orbax's tracebacks in the log (`writer.py`).
+The front of the checkpoint room. It numbers and lists the steps (only complete ones count, since
+orbax lists them by name alone), refuses trees whose leaves would be stored under one name, and
+hands the work to the save side (`writer.py`, `checksums.py`) and the restore side
+(`restore.py`). docs/internals.md ("Checkpoints") says what a step holds and why.
 """
 
 from __future__ import annotations

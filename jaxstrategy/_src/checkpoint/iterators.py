@@ -1,21 +1,9 @@
 """Distributed iterators in checkpoints: each process's input position, saved beside the arrays.
 
-`checkpoint.save(directory, {'params': params, 'data': iterator})` saves the arrays as always and
-each `DistributedIterator`'s `get_state()` in one more item of the step, `iterators`: one JSON
-file per process (`process_<i>-of-<n>.json`, as Grain's own orbax handler writes), mapping the
-iterator's path in the tree to its state, since in a job of several processes each one reads its
-own input and has its own position. Orbax writes the item inside the step's temporary directory,
-so it is committed with the arrays or not at all. Each process's `checksums` file holds the
-CRC32C of its file's exact bytes (`checksums.py`), which restoring checks before it parses them.
-
-Restoring with a target that holds iterators where the checkpoint has positions sets each
-iterator to its position (`set_state`), in place, and leaves it in the restored tree; without a
-target, the restored tree holds the saved states (dicts) there. Positions restore only in a job
-of as many processes as saved them: a job of another size splits its input otherwise (another
-number of input pipelines, each process another share of each batch), so even positions that
-were the same on every process would resume on other batches: with a target holding iterators,
-that is a `CheckpointMismatchError` naming both counts; without a target, the arrays restore and
-the positions' places hold None, with a warning.
+Each `DistributedIterator` in a saved tree saves its `get_state()` in the step's `iterators`
+item, one JSON file per process, since each process reads its own input; restoring sets the
+target's iterators to them, only in a job of as many processes. docs/internals.md ("Iterator
+positions") says why.
 """
 
 from __future__ import annotations

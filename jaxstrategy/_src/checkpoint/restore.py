@@ -1,33 +1,10 @@
 """Reading a saved step back: onto any strategy's layout, checked against a target and checksums.
 
-What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step. The
-step's orbax metadata gives every leaf's path, shape and dtype; from them (and a `target`, when
-given, checked leaf by leaf first, every difference reported at once) comes an abstract tree of
-`jax.ShapeDtypeStruct`s carrying each leaf's sharding on the target strategy (`placement.py`: the
-strategy's `sharding`, or on `ShardedStrategy` the leaf's own layout), so orbax reads every array
-directly onto its devices, each device reading only its part, committed, whatever strategy saved
-it. Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64, complex128) are
-read exactly onto the host instead, since orbax would cast them silently: integers that do not
-fit the 32-bit type are an OverflowError, and floats come back 32-bit with a warning.
-
-Checksums (`checksums.py`), unless `verify=False`: the step's `checksums` item is read and checked
-to be whole first (`step_checksums`), and to cover every leaf before any is read; the JSON items
-are checked as soon as they are read, before they are used (an edited PRNG implementation or
-zero-size shape is a CorruptCheckpointError, not JAX's TypeError or a wrong shape); the arrays'
-bytes once read, before any leaf is narrowed. A saved shard is checked from the restored leaf
-however it is split now (`regions.py`), across processes too, so restoring onto a strategy of
-another shape, or onto another number of processes, checks every byte; in a job of several
-processes every process raises together.
-
-Each process reads only what its devices hold: orbax reads, for each local shard, the chunks it
-needs, which are the parts saved (`checksums.py`). Measured with `rchar` of `/proc/self/io`
-(`bench/bench_util.py:bytes_read`), 32 MiB of random floats saved split over the 4 devices of 2
-processes: restored the same way, 15.5 MB read per process, restored replicated 31.0 MB, of
-31.0 MB stored (tests/checkpoint/test_checkpoints_across_processes.py).
-
-A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
-`ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
-restored the same way.
+What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step: check a
+`target` against the step's metadata, leaf by leaf, then have orbax read every array directly onto
+the target strategy's devices (`placement.py`), and check what was read (`verification.py`).
+Directories written by orbax alone restore the same way. docs/internals.md ("Restoring onto any
+layout") says how and why.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The right to save into a checkpoint directory, and a failed save as one clear error.
 
-`DirectoryWriter` is what a `Checkpointer` holds to save: the directory's lock (see
-`lock.py`), taken for each save and held until it is on disk (or the writer is
-garbage collected, or the process exits), and the translation of failed writes.
-
-Orbax writes a step in background threads. When a write fails (a full disk, a read-only
-filesystem), each thread that sees the failure logs it with its traceback through absl (four
-for a one-leaf tree, more for larger ones), and the save call then raises tensorstore's error, a
-ValueError such as `RESOURCE_EXHAUSTED: ... [os_error_code='28']`. Here:
-
-- while a writer holds a directory, orbax's error records that name a path in it are kept out
-  of the log (the failure is raised to the caller instead);
-- `as_os_error` turns the failure, found by the OS error code in it, into an `OSError` of that
-  code naming the directory, the step and the cause;
-- the holder of the lock deletes the temporary directories of unfinished saves (crashed, killed
-  or failed ones) before each save, since they would block a later save of the same step.
-
-The log filter is installed when the first writer is made, not when `jaxstrategy.checkpoint` is
-imported: a program that never saves a checkpoint keeps absl's logger as it was.
+`DirectoryWriter` is what a `Checkpointer` holds to save: the directory's lock (`lock.py`), taken
+for each save, and the translation of a failed write (a full disk, a read-only filesystem) into
+one `OSError` naming the directory and the cause, with orbax's tracebacks kept out of the log.
+docs/internals.md ("Failed writes") says why.
 """
 
 from __future__ import annotations
