@@ -92,7 +92,7 @@ class Checkpointer:
         self._directory = _directory_path(directory, "Checkpointer()")
         self._writer = DirectoryWriter(self._directory)
         with self._writer.writing(f"Checkpointer(): could not create the directory {self._directory}"):
-            self._manager = _manager(
+            self._manager = _new_manager(
                 self._directory, create=True, max_to_keep=max_to_keep, interval=save_interval_steps
             )
         self._closed = False
@@ -240,7 +240,7 @@ class Checkpointer:
 
         Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
         """
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         self._warn_skipped(strays, "Checkpointer.latest_step()")
         return steps[-1] if steps else None
 
@@ -249,11 +249,11 @@ class Checkpointer:
 
         Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
         """
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         self._warn_skipped(strays, "Checkpointer.all_steps()")
         return steps
 
-    def _steps(self) -> tuple[list[int], list[int]]:
+    def _steps_and_strays(self) -> tuple[list[int], list[int]]:
         """The complete steps and the stray step directories' numbers, both oldest first."""
         self._manager.reload()
         return sorted(int(step) for step in self._manager.all_steps()), _stray_steps(self._directory)
@@ -355,7 +355,7 @@ class Checkpointer:
 
     def _complete_step(self, step: int | None) -> int:
         """`step`, or the newest when None, checked to be a complete step."""
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         if step is None:
             self._warn_skipped(strays, "Checkpointer.restore()")
             if not steps:
@@ -434,7 +434,7 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
         checkpointer._hold("checkpoint.save()")  # Before numbering, so that no other writer can.
         if step is None:
             # Past stray step directories too, whose names a save could not take.
-            taken = [max(numbers) for numbers in checkpointer._steps() if numbers]
+            taken = [max(numbers) for numbers in checkpointer._steps_and_strays() if numbers]
             step = max(taken) + 1 if taken else 0
         checkpointer.save(step, tree, force=True)
         checkpointer.wait()
@@ -497,7 +497,7 @@ def _directory_path(directory: str | os.PathLike[str], caller: str) -> Path:
     return Path(os.path.expanduser(text)).absolute()
 
 
-def _manager(
+def _new_manager(
     directory: Path, *, create: bool, max_to_keep: int | None, interval: int
 ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(

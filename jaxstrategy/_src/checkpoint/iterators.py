@@ -151,7 +151,7 @@ def save_args(tree: PyTree) -> tuple[PyTree, IteratorStatesSave | None]:
     return tree, IteratorStatesSave({path: it.get_state() for path, it in iterators.items()})
 
 
-def _fill(tree: PyTree, values: dict[str, Any]) -> PyTree:
+def _filled_where_none(tree: PyTree, values: dict[str, Any]) -> PyTree:
     """`tree` with `values` put where it holds None at their paths."""
 
     def fill(path: tuple[Any, ...], leaf: Any) -> Any:
@@ -218,9 +218,9 @@ def restoring_positions(
                 )
         restored_tree = read(placement, target)
         if target is None:
-            return _fill(restored_tree, states)
+            return _filled_where_none(restored_tree, states)
         for path, iterator in iterators.items():
             iterator.set_state(states[path])
-        return _fill(restored_tree, iterators)
+        return _filled_where_none(restored_tree, iterators)
 
     return read_with_positions

@@ -73,13 +73,13 @@ class DirectoryLock:
     def __init__(self, path: Path, fd: int):
         self.path = path
         self._fd: int | None = fd
-        _held.add(self)
+        _held_locks.add(self)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        _held.discard(self)
+        _held_locks.discard(self)
         try:
             if _same_file(fd, self.path):
                 # While still locked, so a writer that opened the file meanwhile sees it is gone.
@@ -96,13 +96,13 @@ class DirectoryLock:
 
 
 # The locks this process holds, which forked children forget.
-_held: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
+_held_locks: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
 
 
 def _forget_in_child() -> None:
-    for lock in list(_held):
+    for lock in list(_held_locks):
         lock.forget()
-    _held.clear()
+    _held_locks.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -215,7 +215,7 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
         try:
             result = acquire(directory, caller)
         except Exception as error:
-            store.set(key, json.dumps(_outcome(error)))
+            store.set(key, json.dumps(_failure_to_share(error)))
             raise
         store.set(key, json.dumps({}))
         return result
@@ -232,11 +232,11 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
         store.delete(key)
     outcome = json.loads(reply)
     if outcome:
-        raise _error(outcome)
+        raise _error_from_shared(outcome)
     return None, None
 
 
-def _outcome(error: Exception) -> dict[str, Any]:
+def _failure_to_share(error: Exception) -> dict[str, Any]:
     """Process 0's failure to lock, as the other processes raise it again."""
     kind = "other"
     if isinstance(error, CheckpointLockedError):
@@ -246,7 +246,8 @@ def _outcome(error: Exception) -> dict[str, Any]:
     return {"kind": kind, "errno": getattr(error, "errno", None), "message": f"process 0: {error}"}
 
 
-def _error(outcome: dict[str, Any]) -> Exception:
+def _error_from_shared(outcome: dict[str, Any]) -> Exception:
+    """The error to raise for process 0's failure to lock, as `_failure_to_share` shared it."""
     if outcome["kind"] == "locked":
         return CheckpointLockedError(outcome["message"])
     if outcome["kind"] == "os":

@@ -139,7 +139,9 @@ class PreemptionHandler:
         self._multi_process = spans_processes(self._strategy.devices)
         namespace = new_namespace("preemption")
         self._threads: list[threading.Thread] = []
-        self._signals = StopSignals(signals, on_notice=self._notice, closed=self._closed, caller=caller)
+        self._signals = StopSignals(
+            signals, on_notice=self._on_stop_notice, closed=self._closed, caller=caller
+        )
         # Several processes: the agreement on the step to stop at.
         self._agreement: StopStepAgreement | None = None
         if self._multi_process:
@@ -262,7 +264,7 @@ class PreemptionHandler:
 
     # --- signals and notices -------------------------------------------------------------------
 
-    def _notice(self, cause: str) -> None:
+    def _on_stop_notice(self, cause: str) -> None:
         """The job was told to stop, by `cause` (a signal's name, or a notice)."""
         self._cause = self._cause or cause
         self._told_to_stop.set()
@@ -280,7 +282,7 @@ class PreemptionHandler:
                     self._notice_error = error
                 continue
             if stop:
-                self._notice("a termination notice")
+                self._on_stop_notice("a termination notice")
                 return
 
     def _warn_of_notice_error(self) -> None:

@@ -126,7 +126,7 @@ def pieces(region: Region, parts: dict[Region, Any]) -> list[tuple[Region, Any]]
     return touching if covered(region, (part for part, _ in touching)) else None
 
 
-def values(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
+def region_values(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
     """The values of `region` in host memory, from the pieces `held` that `pieces` chose.
 
     From one piece, a view of it (the piece itself when it is the region); from several, one

@@ -343,7 +343,7 @@ def _abstract_target(
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):
             if name not in prng_impls:
                 problems.append(
-                    f"{name}: the target holds PRNG keys, the checkpoint plain {_format(saved.get(name))}"
+                    f"{name}: the target holds PRNG keys, the checkpoint plain {_shown(saved.get(name))}"
                 )
                 continue
             data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
@@ -352,11 +352,11 @@ def _abstract_target(
     for name in sorted(wanted.keys() - saved.keys()):
         problems.append(f"{name}: in the target, not in the checkpoint")
     for name in sorted(saved.keys() - wanted.keys() - unusable):
-        problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
+        problems.append(f"{name}: in the checkpoint ({_shown(saved[name])}), not in the target")
     for name in sorted(wanted.keys() & saved.keys()):
         if wanted[name] != saved[name]:
             problems.append(
-                f"{name}: the checkpoint has {_format(saved[name])}, the target {_format(wanted[name])}"
+                f"{name}: the checkpoint has {_shown(saved[name])}, the target {_shown(wanted[name])}"
             )
     if problems:
         listed = problems[:_MAX_LISTED]
@@ -394,7 +394,8 @@ def _as_restored(
     return jax.tree_util.tree_map_with_path(restored, saved)
 
 
-def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+def _shown(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+    """A leaf's shape and dtype as messages show them, `float32[3, 4]`; `nothing` for none."""
     if shape_and_dtype is None:
         return "nothing"
     shape, dtype = shape_and_dtype

@@ -343,7 +343,7 @@ def mismatches(
             buffer = regions.with_zeros(check.region, check.dtype, check.pieces)
             findings.partial[check.where] = (check.saved, crc32c(buffer), buffer.nbytes)
             continue
-        found = sums.checksum(regions.values(check.region, check.dtype, check.pieces))
+        found = sums.checksum(regions.region_values(check.region, check.dtype, check.pieces))
         if found != check.saved:
             findings.damaged.append(f"{check.where}: {sums.label} {found:#010x}, saved {check.saved:#010x}")
     return findings

@@ -27,7 +27,7 @@ from jaxstrategy._src.core.errors import caller_stacklevel
 
 # Tensorstore reports the OS error behind a failed read or write like this.
 _TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
-_ADVICE = {
+_ADVICE_BY_ERRNO = {
     errno.ENOSPC: "Free space there, or save to another directory.",
     errno.EDQUOT: "Free space within your quota there, or save to another directory.",
     errno.EFBIG: "The file size limit (ulimit -f) stopped the write: raise it, or save elsewhere.",
@@ -38,19 +38,20 @@ _ADVICE = {
 }
 _DEFAULT_ADVICE = "Check that the directory is on a writable filesystem with free space."
 
-_quiet: Counter[str] = Counter()
+# The directories whose failures orbax's logger keeps quiet, by how many writers hold each.
+_quiet_directories: Counter[str] = Counter()
 _quiet_lock = threading.Lock()
 
 
 class _OrbaxFailureFilter(logging.Filter):
-    """Drops absl error records that name a path inside a directory in `_quiet`."""
+    """Drops absl error records that name a path inside a directory in `_quiet_directories`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not _quiet:
+        if record.levelno < logging.ERROR or not _quiet_directories:
             return True
         text = _record_text(record)
         with _quiet_lock:
-            prefixes = [directory + os.sep for directory in _quiet]
+            prefixes = [directory + os.sep for directory in _quiet_directories]
         return not any(prefix in text for prefix in prefixes)
 
 
@@ -82,14 +83,14 @@ def _install_log_filter() -> None:
 
 def _quiet_logs(directory: str) -> None:
     with _quiet_lock:
-        _quiet[directory] += 1
+        _quiet_directories[directory] += 1
 
 
 def _unquiet_logs(directory: str) -> None:
     with _quiet_lock:
-        _quiet[directory] -= 1
-        if not _quiet[directory]:
-            del _quiet[directory]
+        _quiet_directories[directory] -= 1
+        if not _quiet_directories[directory]:
+            del _quiet_directories[directory]
 
 
 class DirectoryWriter:
@@ -220,7 +221,7 @@ def as_os_error(error: BaseException, what: str) -> OSError | None:
     if code is None:
         return None
     cause = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
-    advice = _ADVICE.get(code, _DEFAULT_ADVICE)
+    advice = _ADVICE_BY_ERRNO.get(code, _DEFAULT_ADVICE)
     return OSError(code, f"{what}: {cause}. {advice} (The error: {error})")
 
 
