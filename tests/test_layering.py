@@ -33,6 +33,8 @@ MAY_IMPORT = {
 # Inside `checkpoint/`, the restore side and the save side do not import each other (format.py).
 SIDES = {
     "restore": {"checkpointer", "writer", "lock"},
+    "verification": {"checkpointer", "writer", "lock"},
+    "block_sums": {"checkpointer", "writer", "lock"},
     "writer": {"restore", "checkpointer"},
     "lock": {"restore", "checkpointer"},
 }

@@ -161,8 +161,8 @@ def test_saving_with_a_closed_checkpointer_is_a_clear_error(tmp_path):
     checkpointer.close()
     with pytest.raises(
         RuntimeError,
-        match=rf"Checkpointer.save\(\): this Checkpointer of {tmp_path} is closed \(by close\(\) or by "
-        rf"leaving its `with` block\), so it cannot save. .* create a new Checkpointer\('{tmp_path}'\)",
+        match=rf"(?s)Checkpointer\.save\(\): this Checkpointer of {re.escape(str(tmp_path))} is closed.*"
+        rf"create a new Checkpointer\('{re.escape(str(tmp_path))}'\)",
     ):
         checkpointer.save(1, {"w": jnp.ones(1)})
     assert checkpointer.all_steps() == [0], "nothing was started in the background"
@@ -200,8 +200,8 @@ def test_restoring_a_stray_step_by_number_is_a_corrupt_checkpoint(tmp_path):
     (tmp_path / "5").mkdir()
     with pytest.raises(
         checkpoint.CorruptCheckpointError,
-        match=rf"Cannot read the checkpoint at step 5 in {tmp_path}: {tmp_path / '5'} holds no complete "
-        r"checkpoint .* Restore one of the complete steps \[0\], or delete it",
+        match=rf"(?s)step 5 in {re.escape(str(tmp_path))}: {re.escape(str(tmp_path / '5'))} holds no "
+        r"complete checkpoint.*Restore one of the complete steps \[0\], or delete it",
     ):
         checkpoint.restore(tmp_path, step=5)
 
@@ -210,8 +210,8 @@ def test_saving_into_a_stray_step_directory_is_an_error(tmp_path):
     (tmp_path / "5").mkdir()
     with pytest.raises(
         FileExistsError,
-        match=rf"Checkpointer.save\(\): {tmp_path / '5'} exists but holds no complete checkpoint .* "
-        "Delete it, or save under another step number",
+        match=rf"(?s)Checkpointer\.save\(\): {re.escape(str(tmp_path / '5'))} exists but holds no complete "
+        r"checkpoint.*Delete it, or save under another step number",
     ):
         checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=5)
     assert checkpoint.save(tmp_path, {"w": jnp.ones(1)}) == 6, "numbered past the stray directory"
@@ -256,8 +256,7 @@ def test_an_empty_directory_is_rejected(tmp_path, monkeypatch, call, caller):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         ValueError,
-        match=re.escape(f"{caller}: directory is empty (''); expected the path of a checkpoint directory.")
-        + r".* or '\.' for the current directory",
+        match=rf"(?s){re.escape(caller)}: directory is empty \(''\).*or '\.' for the current directory",
     ):
         call()
     assert list(tmp_path.iterdir()) == [], "nothing is written into the current directory"
@@ -356,10 +355,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 def test_leaves_stored_under_one_name_are_refused_at_save(tmp_path, tree, clash):
     with pytest.raises(
         ValueError,
-        match=re.escape(
-            "Checkpointer.save(): leaves of the tree would be stored under the same name, and restore "
-            f"as one another:\n  {clash}\nRename the keys"
-        ),
+        # Each clash on its own line, and nothing else listed.
+        match=rf"(?s)Checkpointer\.save\(\): .*stored under the same name.*:\n  {re.escape(clash)}\nRename the keys",
     ):
         checkpoint.save(tmp_path, tree)
     assert list(tmp_path.iterdir()) == [], "nothing half-written is left behind"

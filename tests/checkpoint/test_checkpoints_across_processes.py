@@ -22,11 +22,10 @@ from jaxstrategy._src.checkpoint import regions
 from jaxstrategy.testing import run_local_workers
 
 WORKER = Path(__file__).with_name("across_processes_worker.py")
+# The damaged-bytes message for `where` (a pattern): exactly the `lines` listed, then the fix.
 _DAMAGED = (
-    r"Cannot read the checkpoint at step 0 in {where}: the bytes read for these leaves differ from "
-    r"those saved \(their checksums, written with the step, do not match\), so its files were damaged "
-    r"or changed after the save:\n{lines}\nRestore another step, or restore with verify=False to get "
-    r"the damaged values anyway\."
+    r"(?s)step 0 in {where}: the bytes read .* differ .*:\n{lines}\n"
+    r"Restore another step, or restore with verify=False"
 )
 _W_DAMAGED = r"  w\[48:64, 0:36\]: crc32c 0x[0-9a-f]{8}, saved 0x[0-9a-f]{8}"
 
@@ -154,8 +153,8 @@ def test_damage_in_process_1_s_part_is_caught_wherever_the_region_restores(job):
     for process in seen:
         for layout, lines in {"1x4": alone, "2x2": both, "replicated": both, "columns": split}.items():
             message = process["damaged"][layout]
-            pattern = "CorruptCheckpointError: " + _DAMAGED.format(where=where, lines=lines)
-            assert message is not None and re.fullmatch(pattern, message), (layout, message)
+            assert message is not None and message.startswith("CorruptCheckpointError: "), (layout, message)
+            assert re.search(_DAMAGED.format(where=where, lines=lines), message), (layout, message)
     for strategy in (
         jaxstrategy.OneDeviceStrategy("/cpu:2"),
         jaxstrategy.ShardedStrategy(min_shard_bytes=64),
@@ -176,12 +175,9 @@ def test_iterator_positions_of_two_processes_do_not_restore_in_one(job):
     before = target["data"].get_state()
     with pytest.raises(
         checkpoint.CheckpointMismatchError,
-        match=re.escape(
-            f"Cannot restore the iterator positions of the checkpoint at step 0 in {output / 'iterators'}: "
-            "the iterator positions were saved by a job of 2 processes, and this job has 1: "
-        )
-        + r".*Restore them in a job of 2 processes; or, to restore the arrays alone \(onto any job\), "
-        r"restore without a target: the iterators' places then hold None\.",
+        match=rf"(?s)iterator positions of the checkpoint at step 0 in {re.escape(str(output / 'iterators'))}: "
+        r".*saved by a job of 2 processes, and this job has 1.*Restore them in a job of 2 processes.*"
+        r"restore without a target",
     ):
         checkpoint.restore(output / "iterators", strategy=strategy, target=target)
     assert target["data"].get_state() == before  # Left where it was.

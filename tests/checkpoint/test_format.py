@@ -19,6 +19,7 @@ import pytest
 
 import jaxstrategy
 from jaxstrategy import checkpoint
+from jaxstrategy._src.checkpoint import checksums
 from jaxstrategy._src.checkpoint import format as checkpoint_format
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "saved_before_the_house_move"
@@ -132,3 +133,74 @@ def test_the_format_names_the_items_and_their_former_handler_names():
         _handlers_named_in(FIXTURE / "7")["iterators"]
         in checkpoint_format.FORMER_TYPESTRS[checkpoint_format.ITERATOR_STATES_HANDLER_TYPESTR]
     )
+
+
+# --- format numbers ----------------------------------------------------------------------------
+
+
+def _custom_metadata(step_directory: Path) -> dict:
+    return json.loads((step_directory / "_CHECKPOINT_METADATA").read_text())["custom_metadata"]
+
+
+def _set_format(step_directory: Path, number) -> None:
+    path = step_directory / "_CHECKPOINT_METADATA"
+    metadata = json.loads(path.read_text())
+    if number is None:
+        del metadata["custom_metadata"]["jaxstrategy_format"]
+    else:
+        metadata["custom_metadata"]["jaxstrategy_format"] = number
+    path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("with_checksums", [True, False], ids=["checksummed", "unchecksummed"])
+def test_every_step_saved_records_its_format_number(tmp_path, monkeypatch, with_checksums):
+    monkeypatch.setattr(checksums, "write_checksums", with_checksums)
+    with checkpoint.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(3, {"w": jnp.ones(2)})  # In the background.
+        checkpointer.wait()
+    recorded = _custom_metadata(tmp_path / "3")
+    assert recorded["jaxstrategy_format"] == checkpoint_format.NEWEST_FORMAT == 2
+    assert ("jaxstrategy_checksums" in recorded) == with_checksums
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_a_step_of_a_newer_format_is_refused_saying_to_upgrade(tmp_path, verify):
+    checkpoint.save(tmp_path, {"w": jnp.ones(2)})
+    _set_format(tmp_path / "0", 99)
+    with pytest.raises(checkpoint.CorruptCheckpointError) as excinfo:
+        checkpoint.restore(tmp_path, verify=verify)
+    message = str(excinfo.value)
+    assert f"step 0 in {tmp_path}" in message
+    assert "checkpoint format 99" in message and "formats up to 2" in message
+    assert "Upgrade jaxstrategy" in message
+
+
+@pytest.mark.parametrize("number", ["2", 0, True, 2.0], ids=["a string", "zero", "a bool", "a float"])
+def test_a_format_number_that_is_no_number_is_a_corrupt_step(tmp_path, number):
+    checkpoint.save(tmp_path, {"w": jnp.ones(2)})
+    _set_format(tmp_path / "0", number)
+    with pytest.raises(
+        checkpoint.CorruptCheckpointError, match=rf"(?s)step 0 .*format number.* is {number!r}, not an int"
+    ):
+        checkpoint.restore(tmp_path)
+
+
+@pytest.mark.parametrize("number", [None, 1, 2], ids=["no number", "format 1", "format 2"])
+def test_a_step_of_a_known_format_or_of_none_restores_checked_by_what_it_holds(tmp_path, number):
+    checkpoint.save(tmp_path, {"w": jnp.arange(3.0)})
+    _set_format(tmp_path / "0", number)
+    assert checkpoint.restore(tmp_path)["w"].tolist() == [0.0, 1.0, 2.0]
+    # Still checked as format 2, by its CRC32C files: a wrong checksum is caught.
+    sums = tmp_path / "0" / "checksums" / "process_0-of-1.json"
+    content = json.loads(sums.read_text())
+    content["leaves"]["w"]["0:3"] ^= 1
+    sums.write_text(json.dumps(content))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=r"\n  w: crc32c 0x"):
+        checkpoint.restore(tmp_path)
+
+
+def test_the_fixture_of_format_1_has_no_format_number_and_restores(saved_before):
+    assert "jaxstrategy_format" not in _custom_metadata(saved_before / "7")
+    restored = checkpoint.restore(saved_before)
+    assert restored.pop("data")["batches"] == 2
+    _assert_same_arrays(restored, _saved_arrays())

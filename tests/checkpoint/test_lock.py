@@ -74,13 +74,7 @@ def test_two_independent_writers_never_lose_a_save(tmp_path):
     assert saved, outputs
     for index, message in refused:  # Only refusals, each naming the directory and the other writer.
         other = writers[1 - index].pid
-        assert re.match(
-            _locked(tmp_path, other)
-            + r" \(holding it since .*\)\. Two independent writers in one directory lose each other's "
-            r"saves \(to each other's max_to_keep, or to one step number\)\. Stop that writer, or save to "
-            r"another directory\.$",
-            message,
-        ), message
+        assert re.search(_locked(tmp_path, other), message), message
     steps = [step for step, _ in saved]
     assert len(set(steps)) == len(steps), f"two saves reported as one step: {saved}"
     with checkpoint.Checkpointer(tmp_path) as checkpointer:
@@ -91,10 +85,12 @@ def test_two_independent_writers_never_lose_a_save(tmp_path):
 
 
 def _locked(directory: Path, pid: int) -> str:
-    """The start of the message of a CheckpointLockedError for a save into `directory`, as a regex."""
-    return re.escape(
-        f"checkpoint.save(): cannot save into {directory}: another writer's save there is in flight "
-        f"({directory / '.jaxstrategy.lock'}): process {pid} on host {socket.gethostname()!r}"
+    """The pattern of a CheckpointLockedError's message (one line) for a save into `directory`: the
+    call, the directory, the holder and since when, and the fix."""
+    return (
+        rf"checkpoint\.save\(\): cannot save into {re.escape(str(directory))}: another writer's save .*: "
+        rf"process {pid} on host {re.escape(repr(socket.gethostname()))} \(holding it since .*\)\. .*"
+        r"Stop that writer, or save to another directory\.$"
     )
 
 
@@ -114,8 +110,7 @@ def test_a_checkpointer_holds_its_directory_while_a_save_is_in_flight(tmp_path):
     assert re.search(f"CheckpointLockedError: {_locked(tmp_path, os.getpid())}", other.stderr), other.stderr
     with pytest.raises(
         checkpoint.CheckpointLockedError,
-        match=r"another Checkpointer of this process, whose save is on disk once it waits \(wait\(\), its "
-        r"next save\(\), restore\(\) or close\(\)\)\. Save through one Checkpointer per directory, or "
+        match=r"(?s)another Checkpointer of this process.*Save through one Checkpointer per directory, or "
         r"wait\(\) for the other's save first\.$",
     ) as info:
         checkpoint.save(tmp_path, {"w": jnp.ones(1)})
@@ -171,12 +166,8 @@ def _assert_taken_over(tmp_path: Path, pid: int) -> None:
     (tmp_path / "1.orbax-checkpoint-tmp" / "state").mkdir(parents=True)  # What a killed save leaves.
     with pytest.warns(
         UserWarning,
-        match=re.escape(
-            f"checkpoint.save(): took over the lock of {tmp_path} from process {pid} on host "
-            f"{socket.gethostname()!r} (holding it since "
-        )
-        + r".*\), which ended without releasing it \(it crashed or was killed\); the unfinished saves it "
-        "left are removed.",
+        match=rf"(?s)took over the lock of {re.escape(str(tmp_path))} from process {pid} on host "
+        rf"{re.escape(repr(socket.gethostname()))} .*ended without releasing it.*unfinished saves .*removed",
     ):
         assert checkpoint.save(tmp_path, {"w": jnp.ones(1)}, step=1) == 1
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["0", "1"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -98,8 +100,8 @@ def test_a_checkpoint_of_orbax_standard_checkpointer_restores(tmp_path, strategy
     assert_bit_exact(checkpoint.restore(tmp_path / "plain", target=tree), tree)
     with pytest.raises(
         checkpoint.CheckpointNotFoundError,
-        match=rf"{tmp_path / 'plain'} is a single checkpoint written by orbax's StandardCheckpointer, "
-        r"without steps, so it has no step 3. Restore it with step=None",
+        match=rf"(?s){re.escape(str(tmp_path / 'plain'))} is a single checkpoint .*StandardCheckpointer.*"
+        r"no step 3\. Restore it with step=None",
     ):
         checkpoint.restore(tmp_path / "plain", step=3)
     with pytest.raises(
@@ -120,8 +122,8 @@ def test_a_checkpoint_of_an_orbax_checkpoint_manager_restores(tmp_path):
         assert checkpointer.restore(1)["w"].tolist() == [1.0, 1.0]
     with pytest.raises(
         checkpoint.CheckpointNotFoundError,
-        match=rf"No checkpoint for step 5 in {tmp_path}, written by orbax's CheckpointManager; it holds "
-        r"steps \[1, 2\]",
+        match=rf"(?s)No checkpoint for step 5 in {re.escape(str(tmp_path))}, .*CheckpointManager.*"
+        r"it holds steps \[1, 2\]",
     ):
         checkpoint.restore(tmp_path, step=5)
 

@@ -71,10 +71,8 @@ def test_a_file_where_the_directory_should_be_is_one_clear_error(tmp_path, capfd
     blocker.write_text("")
     with pytest.raises(
         NotADirectoryError,
-        match=re.escape(
-            f"Checkpointer(): could not create the directory {blocker / 'ckpt'}: Not a directory (ENOTDIR). "
-            "A file stands where a directory is expected: move it, or save elsewhere."
-        ),
+        match=rf"(?s)Checkpointer\(\): could not create the directory {re.escape(str(blocker / 'ckpt'))}: "
+        r"Not a directory \(ENOTDIR\).*A file stands where a directory is expected: move it",
     ):
         checkpoint.save(blocker / "ckpt", {"w": jnp.ones(1)})
     assert "Traceback" not in capfd.readouterr().err
@@ -87,10 +85,8 @@ def test_a_read_only_directory_is_one_clear_error(tmp_path, capfd):
     try:
         with pytest.raises(
             PermissionError,
-            match=re.escape(
-                f"checkpoint.save(): cannot lock {tmp_path} to save there: Permission denied (EACCES). "
-                "This user may not write there: change its permissions, or save elsewhere."
-            ),
+            match=rf"(?s)checkpoint\.save\(\): cannot lock {re.escape(str(tmp_path))} .*"
+            r"Permission denied \(EACCES\).*change its permissions, or save elsewhere",
         ):
             checkpoint.save(tmp_path, {"w": jnp.zeros(1)})
         assert checkpoint.restore(tmp_path)["w"].tolist() == [1.0], "reading still works"

@@ -1,31 +1,9 @@
-"""Save and restore variable pytrees with orbax, restoring straight onto any strategy's layout.
+"""`Checkpointer`, `save` and `restore`: numbered checkpoints of a training loop, saved with orbax.
 
-A checkpoint directory holds one subdirectory per step, written by orbax's `CheckpointManager`:
-orbax writes a step into a temporary directory and renames it when complete, so a process killed
-mid-save leaves the previous steps intact and the partial one invisible. What a step holds (the
-arrays, PRNG keys' implementations, zero-size arrays' shapes, checksums, iterator positions) is
-in `format.py`; how leaves are stored and read back, in `stored_leaves.py`. Nothing is pickled.
-
-Only a step directory holding the required items counts as a step: orbax lists steps by name
-alone, so a stray empty `5/` would otherwise become the newest step, to restore from and to
-count against `max_to_keep`. Such directories are skipped with a warning.
-
-Restoring reads every array directly onto the target strategy, whatever strategy saved it, as
-`restore.py` describes: onto its sharding, or on `ShardedStrategy` each leaf onto its own layout
-(`placement.py`); this module finds the step to read.
-
-`save` refuses a tree two of whose leaves would be stored under one name (orbax joins keys with
-'.', the JSON maps with '/', so `{'a.b': x, 'a': {'b': y}}` would restore `y` twice), rather than
-escape keys, which would rename the leaves of existing checkpoints.
-
-A directory written by orbax alone (`ocp.StandardCheckpointer`, or an `ocp.CheckpointManager`
-saving one `default` item) is restored the same way.
-
-Nothing silent: a step also holds `checksums`, a CRC32C of every array shard and every JSON item
-it holds, checked on restore (`checksums.py`); a save holds the directory's lock until it is on
-disk, so a second, independent writer is refused rather than racing it (`lock.py`); a write that fails
-for want of space or permission is one OSError naming the directory and the cause, without
-orbax's tracebacks in the log (`writer.py`).
+The front of the checkpoint room. It numbers and lists the steps (only complete ones count, since
+orbax lists them by name alone), refuses trees whose leaves would be stored under one name, and
+hands the work to the save side (`writer.py`, `checksums.py`) and the restore side
+(`restore.py`). docs/internals.md ("Checkpoints") says what a step holds and why.
 """
 
 from __future__ import annotations
@@ -53,6 +31,7 @@ from jaxstrategy._src.checkpoint.format import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     check_step,
+    format_record,
     is_complete,
 )
 from jaxstrategy._src.checkpoint.placement import placement_of
@@ -113,7 +92,7 @@ class Checkpointer:
         self._directory = _directory_path(directory, "Checkpointer()")
         self._writer = DirectoryWriter(self._directory)
         with self._writer.writing(f"Checkpointer(): could not create the directory {self._directory}"):
-            self._manager = _manager(
+            self._manager = _new_manager(
                 self._directory, create=True, max_to_keep=max_to_keep, interval=save_interval_steps
             )
         self._closed = False
@@ -204,7 +183,8 @@ class Checkpointer:
             items[ZERO_SIZE_SHAPES_ITEM] = ocp.args.JsonSave(zero_size_shapes)
         if iterator_positions is not None:
             items[ITERATORS_ITEM] = iterator_positions
-        record = None
+        # Committed with the step, in its `_CHECKPOINT_METADATA` (docs/internals.md says why there).
+        step_metadata = format_record()
         # Only for a step orbax writes: summing copies every shard to the host.
         if checksums.write_checksums and (force or self._manager.should_save(step)):
             orbax_json: dict[str, Any] = {PRNG_KEYS_ITEM: prng_impls}
@@ -212,10 +192,10 @@ class Checkpointer:
                 orbax_json[ZERO_SIZE_SHAPES_ITEM] = zero_size_shapes
             own_files = {} if iterator_positions is None else iterators.own_file(iterator_positions)
             items[CHECKSUMS_ITEM] = checksums.save_args(state, orbax_json=orbax_json, own_files=own_files)
-            record = checksums.step_record()  # In the step's metadata: `checksums.py` says why.
+            step_metadata |= checksums.step_record()
         with self._writer.writing(self._write_failure(step)):
             saved = self._manager.save(
-                step, args=ocp.args.Composite(**items), force=force, custom_metadata=record
+                step, args=ocp.args.Composite(**items), force=force, custom_metadata=step_metadata
             )
             return bool(saved)
 
@@ -260,7 +240,7 @@ class Checkpointer:
 
         Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
         """
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         self._warn_skipped(strays, "Checkpointer.latest_step()")
         return steps[-1] if steps else None
 
@@ -269,11 +249,11 @@ class Checkpointer:
 
         Warns (UserWarning) when it skips step directories that hold no complete checkpoint.
         """
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         self._warn_skipped(strays, "Checkpointer.all_steps()")
         return steps
 
-    def _steps(self) -> tuple[list[int], list[int]]:
+    def _steps_and_strays(self) -> tuple[list[int], list[int]]:
         """The complete steps and the stray step directories' numbers, both oldest first."""
         self._manager.reload()
         return sorted(int(step) for step in self._manager.all_steps()), _stray_steps(self._directory)
@@ -375,7 +355,7 @@ class Checkpointer:
 
     def _complete_step(self, step: int | None) -> int:
         """`step`, or the newest when None, checked to be a complete step."""
-        steps, strays = self._steps()
+        steps, strays = self._steps_and_strays()
         if step is None:
             self._warn_skipped(strays, "Checkpointer.restore()")
             if not steps:
@@ -454,7 +434,7 @@ def save(directory: str | os.PathLike[str], tree: PyTree, *, step: int | None = 
         checkpointer._hold("checkpoint.save()")  # Before numbering, so that no other writer can.
         if step is None:
             # Past stray step directories too, whose names a save could not take.
-            taken = [max(numbers) for numbers in checkpointer._steps() if numbers]
+            taken = [max(numbers) for numbers in checkpointer._steps_and_strays() if numbers]
             step = max(taken) + 1 if taken else 0
         checkpointer.save(step, tree, force=True)
         checkpointer.wait()
@@ -517,7 +497,7 @@ def _directory_path(directory: str | os.PathLike[str], caller: str) -> Path:
     return Path(os.path.expanduser(text)).absolute()
 
 
-def _manager(
+def _new_manager(
     directory: Path, *, create: bool, max_to_keep: int | None, interval: int
 ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(

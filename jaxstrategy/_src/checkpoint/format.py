@@ -1,34 +1,16 @@
-"""What a jaxstrategy checkpoint looks like on disk: its steps, their items, and its errors.
+"""What a jaxstrategy checkpoint looks like on disk: its steps, their items, its format numbers, its errors.
 
-A checkpoint directory holds one subdirectory per step, named `0`, `1`, ... (orbax's standard
-step names, without zero padding). Each step holds these items:
-
-- `state`: the arrays (orbax's StandardCheckpointHandler), as `stored_leaves.py` stores them;
-- `prng_keys`: a JSON map from the paths of typed PRNG key leaves to their implementation;
-- `zero_size_shapes`: a JSON map from the paths of arrays with no elements to their true shape,
-  written only when there are some (orbax cannot store such an array);
-- `checksums`: one file per process (`process_<i>-of-<n>.json`), the CRC32C of each array shard
-  that process wrote and of each JSON item (`checksums.py`); absent from steps saved before
-  jaxstrategy wrote them, and a single `checksums.json` of whole leaves in steps of 0.1;
-- `iterators`: each process's input position (`iterators.py`), one file per process named the
-  same way, only when the tree held iterators.
-
-A step saved with checksums says so in orbax's own step metadata (`_CHECKPOINT_METADATA`), in
-its `custom_metadata`, under `jaxstrategy_checksums` (`checksums.py` says why there).
-
-Only a step directory holding `state` and `prng_keys` counts as a step. The handlers of the two
-jaxstrategy items name themselves in each step's orbax metadata by the fixed strings below, not
-by their module paths, so that a move inside jaxstrategy does not change what a step says; plain
-orbax finds them by those strings once jaxstrategy's checkpoint module is imported.
-
-The restore side (`restore.py`) and the save side (`writer.py` and `lock.py`) both depend on
-this module, and not on each other; `checkpointer.py`, the front (`Checkpointer`, `save`,
-`restore`), uses both. `tests/test_layering.py` holds them to that.
+Both sides of the checkpoint room depend on this module and not on each other: the save side
+(`writer.py`, `lock.py`) and the restore side (`restore.py`, `verification.py`, `block_sums.py`).
+The handlers of jaxstrategy's own items name themselves in step metadata by fixed strings, so
+that moving code does not change what a step says. docs/internals.md ("A step on disk") has the
+layout; docs/checkpoints.md ("Formats") the table of format numbers.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +35,17 @@ FORMER_TYPESTRS = {
     CHECKSUM_HANDLER_TYPESTR: ("jaxstrategy._src.checksums.ChecksumHandler",),
     ITERATOR_STATES_HANDLER_TYPESTR: ("jaxstrategy._src.iterator_checkpoint.IteratorStatesHandler",),
 }
+
+# Checkpoint formats, by number (the table in docs/checkpoints.md, "Formats"). A step records the
+# number of its format in orbax's step metadata, its `custom_metadata`, under FORMAT_KEY; steps
+# saved before the numbering have none and are read by what they hold.
+FORMAT_KEY = "jaxstrategy_format"
+# jaxstrategy 0.1: a single `checksums/checksums.json` of block sums of whole leaves (`block_sums.py`).
+BLOCK_SUMS_FORMAT = 1
+# A CRC32C file per process in `checksums/`, and their record in the step metadata (`checksums.py`).
+CRC32C_FORMAT = 2
+# What saves write, and the newest format this version reads.
+NEWEST_FORMAT = CRC32C_FORMAT
 
 # The names orbax's standard step format gives steps: 0, 1, 2, ... without zero padding.
 STEP_NAME = re.compile(r"0|[1-9][0-9]*")
@@ -89,6 +82,36 @@ def check_step(step: Any, caller: str) -> None:
     """Refuse a step number that is not an int >= 0 (numpy ints are fine)."""
     if not is_int(step, numpy=True) or step < 0:
         raise ValueError(f"{caller}: step must be an int >= 0; got {step!r}.")
+
+
+def format_record() -> dict[str, int]:
+    """What every step saved now holds in its `custom_metadata`: the number of its format."""
+    return {FORMAT_KEY: NEWEST_FORMAT}
+
+
+def check_format(custom_metadata: Mapping[str, Any] | None, where: str) -> None:
+    """Refuse the step at `where` (`step 3 in /ckpt`) if its step metadata's `custom_metadata`
+    gives a format this version cannot read; a step without a number is read by what it holds.
+
+    Raises:
+      CorruptCheckpointError: the step's format number is newer than `NEWEST_FORMAT`, or is not
+        a format number.
+    """
+    number = (custom_metadata or {}).get(FORMAT_KEY)
+    if number is None:
+        return
+    if not is_int(number) or number < 1:
+        raise CorruptCheckpointError(
+            f"Cannot read the checkpoint at {where}: its format number ({FORMAT_KEY!r} in its "
+            f"_CHECKPOINT_METADATA) is {number!r}, not an int >= 1, so that file was damaged or "
+            "changed after the save. Restore another step."
+        )
+    if number > NEWEST_FORMAT:
+        raise CorruptCheckpointError(
+            f"Cannot read the checkpoint at {where}: it is of checkpoint format {number}, and this "
+            f"version of jaxstrategy reads formats up to {NEWEST_FORMAT}; a newer jaxstrategy saved "
+            "it. Upgrade jaxstrategy to restore it, or restore a step of an older format."
+        )
 
 
 def answer_to_former_names(handler: type, save_args: type, restore_args: type) -> None:

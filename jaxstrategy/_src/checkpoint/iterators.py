@@ -1,21 +1,9 @@
 """Distributed iterators in checkpoints: each process's input position, saved beside the arrays.
 
-`checkpoint.save(directory, {'params': params, 'data': iterator})` saves the arrays as always and
-each `DistributedIterator`'s `get_state()` in one more item of the step, `iterators`: one JSON
-file per process (`process_<i>-of-<n>.json`, as Grain's own orbax handler writes), mapping the
-iterator's path in the tree to its state, since in a job of several processes each one reads its
-own input and has its own position. Orbax writes the item inside the step's temporary directory,
-so it is committed with the arrays or not at all. Each process's `checksums` file holds the
-CRC32C of its file's exact bytes (`checksums.py`), which restoring checks before it parses them.
-
-Restoring with a target that holds iterators where the checkpoint has positions sets each
-iterator to its position (`set_state`), in place, and leaves it in the restored tree; without a
-target, the restored tree holds the saved states (dicts) there. Positions restore only in a job
-of as many processes as saved them: a job of another size splits its input otherwise (another
-number of input pipelines, each process another share of each batch), so even positions that
-were the same on every process would resume on other batches: with a target holding iterators,
-that is a `CheckpointMismatchError` naming both counts; without a target, the arrays restore and
-the positions' places hold None, with a warning.
+Each `DistributedIterator` in a saved tree saves its `get_state()` in the step's `iterators`
+item, one JSON file per process, since each process reads its own input; restoring sets the
+target's iterators to them, only in a job of as many processes. docs/internals.md ("Iterator
+positions") says why.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import checksums, stored_leaves
+from jaxstrategy._src.checkpoint import stored_leaves, verification
 from jaxstrategy._src.checkpoint.format import (
     ITERATOR_STATES_HANDLER_TYPESTR,
     ITERATORS_ITEM,
@@ -94,7 +82,7 @@ class IteratorStatesHandler(ocp.CheckpointHandler):  # type: ignore[misc]
             )
         data = own.read_bytes()
         if saved is not None:
-            checksums.check_file(own.name, data, saved)
+            verification.check_file(own.name, data, saved)
         return dict(json.loads(data))
 
 
@@ -163,7 +151,7 @@ def save_args(tree: PyTree) -> tuple[PyTree, IteratorStatesSave | None]:
     return tree, IteratorStatesSave({path: it.get_state() for path, it in iterators.items()})
 
 
-def _fill(tree: PyTree, values: dict[str, Any]) -> PyTree:
+def _filled_where_none(tree: PyTree, values: dict[str, Any]) -> PyTree:
     """`tree` with `values` put where it holds None at their paths."""
 
     def fill(path: tuple[Any, ...], leaf: Any) -> Any:
@@ -230,9 +218,9 @@ def restoring_positions(
                 )
         restored_tree = read(placement, target)
         if target is None:
-            return _fill(restored_tree, states)
+            return _filled_where_none(restored_tree, states)
         for path, iterator in iterators.items():
             iterator.set_state(states[path])
-        return _fill(restored_tree, iterators)
+        return _filled_where_none(restored_tree, iterators)
 
     return read_with_positions

@@ -1,25 +1,9 @@
 """One writer per checkpoint directory: a lock that a second, independent writer is refused.
 
-Two processes saving into one directory (a job started twice, two jobs given one path) race
-inside orbax: both may report success while one save is lost, or fail with stray
-FileExistsErrors, or hang. So a writer locks `<directory>/.jaxstrategy.lock` first:
-
-- it is held per save, from the start of a save until the save is on disk (`Checkpointer.wait`,
-  the next save, or close): a file held for a writer's life would sit among the step
-  directories, where listings that read every name as a step number trip on it;
-- the lock is `fcntl.flock` on that file, so the kernel (and NFS, which maps it to its own
-  locks) releases it when the holder exits, however it exits: a crashed trainer never blocks
-  its restart. The file records the holder's host, process id and when it locked, for the message
-  the next writer gets;
-- released, the file is deleted (while still locked, so that a writer that opened it meanwhile
-  sees, once it holds the lock, that the path no longer names its file, and starts again);
-- a lock taken over from a holder that ended without releasing it (the file still names it) is
-  reported to the caller, who warns;
-- the file descriptor is closed in children forked later (data loader workers, say), which would
-  otherwise share the lock and hold it after the holder is gone;
-- in a job of several processes, all saving their parts into one directory, process 0 takes the
-  lock for the job and tells the others through JAX's coordination service whether it got it, so
-  that every process raises the same error, and none waits in orbax for a process that gave up.
+Two writers saving into one directory race inside orbax and lose saves, so a save first locks
+`<directory>/.jaxstrategy.lock` (`fcntl.flock`, which the kernel releases when its holder exits)
+and holds it until the save is on disk; in a job, process 0 locks for every process.
+docs/internals.md ("One writer per directory") says why each part is as it is.
 """
 
 from __future__ import annotations
@@ -89,16 +73,17 @@ class DirectoryLock:
     def __init__(self, path: Path, fd: int):
         self.path = path
         self._fd: int | None = fd
-        _held.add(self)
+        _held_locks.add(self)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        _held.discard(self)
+        _held_locks.discard(self)
         try:
             if _same_file(fd, self.path):
-                self.path.unlink()  # While still locked: see the module docstring.
+                # While still locked, so a writer that opened the file meanwhile sees it is gone.
+                self.path.unlink()
         except OSError:
             pass  # Gone, or unwritable now: the lock is released with the descriptor all the same.
         os.close(fd)
@@ -111,13 +96,13 @@ class DirectoryLock:
 
 
 # The locks this process holds, which forked children forget.
-_held: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
+_held_locks: weakref.WeakSet[DirectoryLock] = weakref.WeakSet()
 
 
 def _forget_in_child() -> None:
-    for lock in list(_held):
+    for lock in list(_held_locks):
         lock.forget()
-    _held.clear()
+    _held_locks.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -230,7 +215,7 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
         try:
             result = acquire(directory, caller)
         except Exception as error:
-            store.set(key, json.dumps(_outcome(error)))
+            store.set(key, json.dumps(_failure_to_share(error)))
             raise
         store.set(key, json.dumps({}))
         return result
@@ -247,11 +232,11 @@ def acquire_for_job(directory: Path, caller: str) -> tuple[DirectoryLock | None,
         store.delete(key)
     outcome = json.loads(reply)
     if outcome:
-        raise _error(outcome)
+        raise _error_from_shared(outcome)
     return None, None
 
 
-def _outcome(error: Exception) -> dict[str, Any]:
+def _failure_to_share(error: Exception) -> dict[str, Any]:
     """Process 0's failure to lock, as the other processes raise it again."""
     kind = "other"
     if isinstance(error, CheckpointLockedError):
@@ -261,7 +246,8 @@ def _outcome(error: Exception) -> dict[str, Any]:
     return {"kind": kind, "errno": getattr(error, "errno", None), "message": f"process 0: {error}"}
 
 
-def _error(outcome: dict[str, Any]) -> Exception:
+def _error_from_shared(outcome: dict[str, Any]) -> Exception:
+    """The error to raise for process 0's failure to lock, as `_failure_to_share` shared it."""
     if outcome["kind"] == "locked":
         return CheckpointLockedError(outcome["message"])
     if outcome["kind"] == "os":

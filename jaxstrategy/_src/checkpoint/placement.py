@@ -1,14 +1,10 @@
 """Where restoring puts each leaf: the target strategy's one sharding, or its layout leaf by leaf.
 
-Most strategies hold every variable whole on each of their devices, so one sharding,
-`strategy.sharding`, places every leaf. `ShardedStrategy` splits each large leaf over the devices
-of each replica, by rules that look at the leaf's path, shape and dtype (`strategy.layout_of`):
-restored onto its `sharding`, which is replicated, a model bigger than one device would be
-gathered whole onto every device. A `Placement` is both cases behind one question, "where does
-the leaf at this path go?", asked of the tree as the user holds it: a target's own leaves (its
-NNX Variables' annotations included), or, without a target, the saved leaves as they come back
-(PRNG keys as keys, zero-size arrays with their shapes), so that a leaf restores where `put`
-would have placed it.
+Most strategies hold every variable whole on each device, so `strategy.sharding` places every
+leaf. `ShardedStrategy` splits large leaves over each replica's devices (`strategy.layout_of`):
+restored onto its replicated `sharding`, a model bigger than one device would be gathered whole
+onto every device. A `Placement` answers "where does the leaf at this path go?" for both, asked
+of the tree as the user holds it, so that a leaf restores where `put` would have placed it.
 """
 
 from __future__ import annotations

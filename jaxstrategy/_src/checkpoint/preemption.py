@@ -1,33 +1,9 @@
-"""Preemption: on a termination signal, finish the step, save everything, and end the program.
+"""`PreemptionHandler`: on a termination signal or notice, finish the step, save everything, and end.
 
-`PreemptionHandler.steps` numbers a training loop's steps; before each one it checks whether the
-loop must stop. A signal handler (SIGTERM by default) or a polled termination notice only sets a
-flag, since a signal reaches Python between two bytecodes of the main thread, wherever that is.
-
-One process alone stops at the first step boundary after the flag is set. The processes of a
-job must stop at the same step, and save together, though JAX's asynchronous dispatch lets each
-one's Python run a few steps ahead of the others, so they agree through JAX's coordination
-service (its key-value store, through `cluster/coordination.py`):
-
-- the process that got the signal, at its next step boundary, posts a request;
-- in every process a watcher thread waits for that request; when it comes, the watcher takes
-  the number of steps its main thread has started and publishes it; from then on the main
-  thread starts no further step until the stopping step is known;
-- each watcher reads every process's number; the stopping step is the largest, which no
-  process has passed; every process goes on to it, saves, and ends.
-
-The watchers, not the main threads, publish the numbers, so a main thread that is waiting inside
-a step for the others (reading a loss, say) holds nobody up: the processes that stopped first
-resume once the step is known, which lets the waiting one finish its step. A process whose loop
-ends publishes its final number, so a request that comes too late makes everyone finish
-normally instead of waiting for it.
-
-Several handlers may be alive at once (a loop per phase, say, each made before the first runs),
-and a program may install its own signal handlers between them. Each handler replaced one
-before it and remembers it, so the handlers form a chain; closing one takes it out of the chain
-(see `_unlink`), and a closed handler that still gets a signal passes it on (`_pass_on`), so in
-whatever order they close, an open handler keeps getting its signal and, once all are closed,
-the signal does what it did before any.
+The handler numbers a training loop's steps and checks before each one whether the job was told
+to stop: by a signal (`stop_signals.py`) or a polled notice. One process stops at the next step
+boundary; the processes of a job first agree on a common step (`stop_step.py`). Then each saves
+with its `Checkpointer`, logs a line, and exits with `PREEMPTED_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -37,16 +13,15 @@ import logging
 import signal
 import threading
 import time
-import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import jax
 
 from jaxstrategy._src.checkpoint.checkpointer import Checkpointer
-from jaxstrategy._src.cluster.coordination import KeyValueStore, new_namespace
+from jaxstrategy._src.checkpoint.stop_signals import StopSignals
+from jaxstrategy._src.checkpoint.stop_step import POLL_MS, StopStepAgreement
+from jaxstrategy._src.cluster.coordination import new_namespace
 from jaxstrategy._src.core.arguments import is_int
 from jaxstrategy._src.core.device_spec import spans_processes
 from jaxstrategy._src.core.errors import caller_stacklevel
@@ -58,16 +33,8 @@ from jaxstrategy._src.strategies.strategy import Strategy, get_strategy
 PREEMPTED_EXIT_CODE = 42
 
 _LOGGER = logging.getLogger("jaxstrategy")
-# How often a watcher waiting for the coordination service checks whether it should end; it
-# ends within this when the loop does.
-_POLL_MS = 250
+# How often `termination_notice` is called.
 _NOTICE_POLL_S = 1.0
-
-_SignalHandler = Callable[[int, types.FrameType | None], Any] | int | None
-
-# The handlers still in their signals' chains: made, and not yet closed in the main thread. Weak,
-# so that a handler nothing refers to any more (no signal, no other handler) is not kept alive.
-_linked: weakref.WeakSet[PreemptionHandler] = weakref.WeakSet()
 
 
 class PreemptionHandler:
@@ -160,42 +127,36 @@ class PreemptionHandler:
         self._checkpointer = checkpointer
         self._strategy = get_strategy() if strategy is None else strategy
         self._exit_code = exit_code
-        self._timeout_s = float(timeout_s)
         self._step = 0
         self._preempted = False
         self._cause: str | None = None  # What told this process to stop.
         # The first error termination_notice raised, and whether the loop has warned of it.
         self._notice_error: Exception | None = None
         self._notice_error_reported = False
-        self._notice = threading.Event()
-        self._signalled: set[int] = set()  # The signals received, each a notice the first time.
+        self._told_to_stop = threading.Event()
         self._closed = threading.Event()
-        self._cond = threading.Condition()
-        # Several processes: what this process published, the step agreed on, a watcher's failure.
-        self._announced: int | None = None
-        self._stop_at: int | None = None
-        self._error: BaseException | None = None
-        self._requested = False
         self._process, self._num_processes = jax.process_index(), jax.process_count()
         self._multi_process = spans_processes(self._strategy.devices)
-        self._namespace = new_namespace("preemption")
-        self._previous: dict[int, _SignalHandler] = {}
+        namespace = new_namespace("preemption")
         self._threads: list[threading.Thread] = []
-        _linked.add(self)
-        for signum in dict.fromkeys(signals):
-            try:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-            except (OSError, ValueError) as error:  # SIGKILL, SIGSTOP: no handler can catch them.
-                self.close()
-                raise ValueError(
-                    f"{caller}: cannot handle {signal.Signals(signum).name}: {error}."
-                ) from error
+        self._signals = StopSignals(
+            signals, on_notice=self._on_stop_notice, closed=self._closed, caller=caller
+        )
+        # Several processes: the agreement on the step to stop at.
+        self._agreement: StopStepAgreement | None = None
         if self._multi_process:
-            self._store = KeyValueStore()
+            self._agreement = StopStepAgreement(
+                namespace,
+                steps_started=lambda: self._step,
+                process=self._process,
+                num_processes=self._num_processes,
+                timeout_s=float(timeout_s),
+                closed=self._closed,
+            )
             # Before JAX's own shutdown (registered earlier): no watcher may be inside a call then.
             atexit.register(self.close)
             self._threads.append(
-                threading.Thread(target=self._watch, name="jaxstrategy-preemption", daemon=True)
+                threading.Thread(target=self._agreement.watch, name="jaxstrategy-preemption", daemon=True)
             )
         if termination_notice is not None:
             self._threads.append(
@@ -287,13 +248,13 @@ class PreemptionHandler:
         self._closed.set()
         if threading.current_thread() is threading.main_thread():
             # Only the main thread may set handlers: closed elsewhere, they are put back by a
-            # later close() here, or at exit; meanwhile `_on_signal` passes signals on.
+            # later close() here, or at exit; meanwhile `StopSignals.on_signal` passes signals on.
             atexit.unregister(self.close)
-            self._unlink()
+            self._signals.unlink()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 # Within a poll: a watcher must not be inside a call when JAX's client shuts down.
-                thread.join(timeout=2 * _POLL_MS / 1000)
+                thread.join(timeout=2 * POLL_MS / 1000)
 
     def __enter__(self) -> PreemptionHandler:
         return self
@@ -303,43 +264,10 @@ class PreemptionHandler:
 
     # --- signals and notices -------------------------------------------------------------------
 
-    def _unlink(self) -> None:
-        """Take this handler out of each of its signals' chains, once (in the main thread).
-
-        Installed, it puts back what it replaced. Replaced by a newer handler of this class, it
-        hands that one what it replaced, so that the newer one puts that back in turn. Replaced
-        by a handler of the program's own, which may call it, it stays there, passing the
-        signal on (`_on_signal`).
-        """
-        if self not in _linked:
-            return
-        _linked.discard(self)
-        for signum, previous in self._previous.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, _installable(previous))
-                continue
-            for newer in list(_linked):
-                if newer._previous.get(signum) == self._on_signal:
-                    newer._previous[signum] = previous
-                    break  # A handler is replaced by one handler at most.
-
-    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
-        previous = self._previous.get(signum)
-        if self._closed.is_set():
-            # Still installed though closed (in another thread, or a program's own handler
-            # calls it): do what the handler it replaced does.
-            _pass_on(signum, frame, previous)
-            return
-        if signum in self._signalled:
-            # The same signal twice: from now on, and now, do what it did before, such as ending
-            # the process. (A polled notice, or SLURM's early SIGUSR1 then its SIGTERM, is not
-            # "twice".)
-            signal.signal(signum, _installable(previous))
-            _pass_on(signum, frame, previous)
-            return
-        self._signalled.add(signum)
-        self._cause = self._cause or signal.Signals(signum).name
-        self._notice.set()
+    def _on_stop_notice(self, cause: str) -> None:
+        """The job was told to stop, by `cause` (a signal's name, or a notice)."""
+        self._cause = self._cause or cause
+        self._told_to_stop.set()
 
     def _poll_notice(self, termination_notice: Callable[[], bool]) -> None:
         while not self._closed.wait(_NOTICE_POLL_S):
@@ -354,8 +282,7 @@ class PreemptionHandler:
                     self._notice_error = error
                 continue
             if stop:
-                self._cause = self._cause or "a termination notice"
-                self._notice.set()
+                self._on_stop_notice("a termination notice")
                 return
 
     def _warn_of_notice_error(self) -> None:
@@ -378,33 +305,17 @@ class PreemptionHandler:
     def _must_stop(self) -> bool:
         """Whether to stop before step `self._step`; else count it as started."""
         self._warn_of_notice_error()
-        if not self._multi_process:
-            if self._notice.is_set():
+        if self._agreement is None:
+            if self._told_to_stop.is_set():
                 return True
             self._step += 1
             return False
-        if self._notice.is_set() and not self._requested:
-            self._requested = True
-            self._request()
-        deadline = time.monotonic() + self._timeout_s
-        with self._cond:
-            # Once this process published how far it is, it starts no step before the stop is known.
-            while (
-                self._error is None
-                and self._stop_at is None
-                and (self._announced is not None or self._requested)
-            ):
-                if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(
-                        f"PreemptionHandler: process {self._process} waited {self._timeout_s:g} s "
-                        "for the other processes to agree on the step to stop at. Every process must "
-                        "create the same PreemptionHandlers and run their steps."
-                    )
-            if self._error is not None:
-                raise RuntimeError(f"PreemptionHandler: watching for preemption failed: {self._error}")
-            if self._stop_at is not None and self._step >= self._stop_at:
+        if self._told_to_stop.is_set():
+            self._agreement.request()
+        with self._agreement.at_boundary() as stop_at:
+            if stop_at is not None and self._step >= stop_at:
                 return True
-            self._step += 1
+            self._step += 1  # Inside the boundary: counted in what this process publishes.
             return False
 
     def _save_and_stop(self, state: Callable[[], PyTree]) -> None:
@@ -436,73 +347,6 @@ class PreemptionHandler:
 
     def _finish(self) -> None:
         """The loop is over: publish the final step for a late request, and stop the threads."""
-        if self._multi_process and not self._closed.is_set():
-            self._announce()
+        if self._agreement is not None and not self._closed.is_set():
+            self._agreement.announce()
         self.close()
-
-    # --- agreeing across processes -----------------------------------------------------------------
-
-    def _key(self, name: str) -> str:
-        return f"{self._namespace}/{name}"
-
-    def _request(self) -> None:
-        self._store.set_once(self._key("request"), str(self._process))  # Or another asked first.
-
-    def _announce(self) -> None:
-        """Publish how many steps this process has started, once; it starts no more until the
-        stopping step is known."""
-        with self._cond:
-            if self._announced is not None:
-                return
-            self._announced = self._step
-        self._store.set(self._key(f"position/{self._process}"), str(self._announced))
-
-    def _watch(self) -> None:
-        try:
-            if self._wait_for(self._key("request")) is None:
-                return
-            self._announce()
-            deadline = time.monotonic() + self._timeout_s
-            positions = []
-            for process in range(self._num_processes):
-                value = self._wait_for(self._key(f"position/{process}"), deadline)
-                if value is None:
-                    return
-                positions.append(int(value))
-            with self._cond:
-                self._stop_at = max(positions)
-                self._cond.notify_all()
-        except Exception as error:
-            if self._closed.is_set():
-                return  # The job is ending; its service may be gone.
-            with self._cond:
-                self._error = error
-                self._cond.notify_all()
-
-    def _wait_for(self, key: str, deadline: float | None = None) -> str | None:
-        """The value of `key` once set; None when the handler closes, or at `deadline`."""
-        # At the deadline the main thread reports the timeout.
-        return self._store.wait_for(key, deadline=deadline, stop=self._closed, poll_ms=_POLL_MS)
-
-
-def _installable(previous: _SignalHandler) -> Callable[[int, types.FrameType | None], Any] | int:
-    """A handler `signal.signal` accepts for `previous`, as `signal.signal` returned it: None (a
-    handler set outside Python, which Python cannot put back) becomes the default."""
-    return signal.SIG_DFL if previous is None else previous
-
-
-def _pass_on(signum: int, frame: types.FrameType | None, previous: _SignalHandler) -> None:
-    """Do with the signal what `previous`, the handler a PreemptionHandler replaced, does."""
-    if callable(previous):
-        previous(signum, frame)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    # The default action (or unknown, for None): take it now. For SIGTERM or SIGINT the process
-    # ends here; one whose default is to ignore it (SIGCHLD, SIGWINCH) comes back, and whatever
-    # was installed goes back.
-    current = signal.signal(signum, signal.SIG_DFL)
-    try:
-        signal.raise_signal(signum)
-    finally:
-        signal.signal(signum, _installable(current))

@@ -9,14 +9,33 @@ local shards that cover it; a region no local shard set covers is another proces
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 Region = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSums:
+    """How a checkpoint format sums the bytes of a region, as restoring checks them.
+
+    Attributes:
+      checksum: the checksum of a region's values (a host array, in C order).
+      label: how a message names one such checksum, as in `w: crc32c 0x1234abcd, saved ...`.
+      from_parts: whether a region split between processes can be checked from each process's
+        sum of its parts with zeros elsewhere (CRC32C can: it is affine in the bytes summed).
+      described: what a warning calls these checksums.
+    """
+
+    checksum: Callable[[np.ndarray], int]
+    label: str
+    from_parts: bool
+    described: str
 
 
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
@@ -107,7 +126,7 @@ def pieces(region: Region, parts: dict[Region, Any]) -> list[tuple[Region, Any]]
     return touching if covered(region, (part for part, _ in touching)) else None
 
 
-def values(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
+def region_values(region: Region, dtype: Any, held: list[tuple[Region, Any]]) -> np.ndarray:
     """The values of `region` in host memory, from the pieces `held` that `pieces` chose.
 
     From one piece, a view of it (the piece itself when it is the region); from several, one

@@ -1,33 +1,10 @@
 """Reading a saved step back: onto any strategy's layout, checked against a target and checksums.
 
-What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step. The
-step's orbax metadata gives every leaf's path, shape and dtype; from them (and a `target`, when
-given, checked leaf by leaf first, every difference reported at once) comes an abstract tree of
-`jax.ShapeDtypeStruct`s carrying each leaf's sharding on the target strategy (`placement.py`: the
-strategy's `sharding`, or on `ShardedStrategy` the leaf's own layout), so orbax reads every array
-directly onto its devices, each device reading only its part, committed, whatever strategy saved
-it. Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64, complex128) are
-read exactly onto the host instead, since orbax would cast them silently: integers that do not
-fit the 32-bit type are an OverflowError, and floats come back 32-bit with a warning.
-
-Checksums (`checksums.py`), unless `verify=False`: the step's `checksums` item is read and checked
-to be whole first (`step_checksums`), and to cover every leaf before any is read; the JSON items
-are checked as soon as they are read, before they are used (an edited PRNG implementation or
-zero-size shape is a CorruptCheckpointError, not JAX's TypeError or a wrong shape); the arrays'
-bytes once read, before any leaf is narrowed. A saved shard is checked from the restored leaf
-however it is split now (`regions.py`), across processes too, so restoring onto a strategy of
-another shape, or onto another number of processes, checks every byte; in a job of several
-processes every process raises together.
-
-Each process reads only what its devices hold: orbax reads, for each local shard, the chunks it
-needs, which are the parts saved (`checksums.py`). Measured with `rchar` of `/proc/self/io`
-(`bench/bench_util.py:bytes_read`), 32 MiB of random floats saved split over the 4 devices of 2
-processes: restored the same way, 15.5 MB read per process, restored replicated 31.0 MB, of
-31.0 MB stored (tests/checkpoint/test_checkpoints_across_processes.py).
-
-A directory written by orbax alone, `ocp.StandardCheckpointer().save(directory, tree)` or an
-`ocp.CheckpointManager` saving one (`default`) item, is recognised by orbax's `_METADATA` files and
-restored the same way.
+What `checkpointer.py`'s `restore` and `Checkpointer.restore` do once they know the step: check a
+`target` against the step's metadata, leaf by leaf, then have orbax read every array directly onto
+the target strategy's devices (`placement.py`), and check what was read (`verification.py`).
+Directories written by orbax alone restore the same way. docs/internals.md ("Restoring onto any
+layout") says how and why.
 """
 
 from __future__ import annotations
@@ -45,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxstrategy._src.checkpoint import checksums, regions, stored_leaves
+from jaxstrategy._src.checkpoint import regions, stored_leaves, verification
 from jaxstrategy._src.checkpoint.format import (
     PRNG_KEYS_ITEM,
     STATE_ITEM,
@@ -54,6 +31,7 @@ from jaxstrategy._src.checkpoint.format import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    check_format,
     check_step,
     is_complete,
 )
@@ -134,17 +112,20 @@ def restore_item(item: Path, placement: Placement, target: PyTree) -> PyTree:
 
 
 def step_metadata(manager: ocp.CheckpointManager, step: int, where: str) -> Any:
-    """Orbax's metadata of `step` (its items' metadata, its custom metadata), read once."""
+    """Orbax's metadata of `step` (its items' metadata, its custom metadata), read once, the step
+    checked to be of a format this version reads before anything else is read."""
     try:
-        return manager.metadata(step)
+        metadata = manager.metadata(step)
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
+    check_format(metadata.custom_metadata, where)
+    return metadata
 
 
-def step_checksums(metadata: Any, step_directory: Path, where: str) -> checksums.SavedChecksums | None:
+def step_checksums(metadata: Any, step_directory: Path, where: str) -> verification.StepChecksums | None:
     """The checksums saved with the step, checked to be whole; None for a step saved before them."""
     try:
-        return checksums.load(step_directory, metadata.custom_metadata)
+        return verification.load(step_directory, metadata.custom_metadata)
     except Exception as error:
         raise CorruptCheckpointError(f"Cannot read the checkpoint at {where}: {error}") from error
 
@@ -157,7 +138,7 @@ def restore_step(
     placement: Placement,
     target: PyTree,
     *,
-    saved_checksums: checksums.SavedChecksums | None,
+    saved_checksums: verification.StepChecksums | None,
 ) -> PyTree:
     """Restore `step` of `manager`'s checkpoint (`metadata` its orbax metadata) by `placement`,
     shaped as `target` (the saved structure when None), checked against `saved_checksums`
@@ -192,7 +173,7 @@ def restore_step(
     verify = None
     if saved_checksums is not None and saved_regions is not None:
         verify = functools.partial(
-            _verify, saved_regions=saved_regions, algorithm=saved_checksums.algorithm, where=where
+            _verify, saved_regions=saved_regions, sums=saved_checksums.sums, where=where
         )
     return _restore_state(read, saved, prng_impls, zero_size, placement, target, where, verify=verify)
 
@@ -274,9 +255,14 @@ def _read_failure(error: Exception, saved: PyTree, where: str) -> str:
 
 
 def _verify(
-    restored: PyTree, saved_regions: dict[str, dict[regions.Region, int]], algorithm: str, where: str
+    restored: PyTree,
+    saved_regions: dict[str, dict[regions.Region, int]],
+    sums: regions.RegionSums,
+    where: str,
 ) -> None:
-    findings = checksums.mismatches(restored, saved_regions, algorithm)
+    """Raise, on every process of the job together, if the bytes `restored` differ from the
+    `saved_regions`' checksums (summed as `sums` says); warn of regions left unchecked."""
+    findings = verification.mismatches(restored, saved_regions, sums)
     damaged, unchecked = findings.damaged, findings.unchecked
     if any(
         not leaf.is_fully_addressable for leaf in jax.tree.leaves(restored) if isinstance(leaf, jax.Array)
@@ -292,7 +278,7 @@ def _verify(
     if unchecked:
         warnings.warn(
             f"Restoring the checkpoint at {where}: these parts of leaves, saved whole by one process "
-            "with the checksums of jaxstrategy 0.1, are restored split over processes, so no process "
+            f"with {sums.described}, are restored split over processes, so no process "
             f"holds one whole to check it against its checksum, and they restore unchecked: {unchecked}. "
             "Restore onto a sharding that keeps each leaf within one process to check them, or save "
             "the step again with this version.",
@@ -305,7 +291,7 @@ def _verify(
 _FINDINGS_TIMEOUT_S = 300
 
 
-def _every_process_finding(findings: checksums.Findings, where: str) -> tuple[list[str], list[str]]:
+def _every_process_finding(findings: verification.Findings, where: str) -> tuple[list[str], list[str]]:
     """What every process of the job found, so that all of them raise, or warn, together: the
     damaged regions each found alone, those split between processes, checked from every
     process's partial checksums, and the regions left unchecked.
@@ -327,7 +313,7 @@ def _every_process_finding(findings: checksums.Findings, where: str) -> tuple[li
         every_damaged += [f"{line} (found by process {process})" for line in finding["damaged"]]
         every_unchecked += [part for part in finding["unchecked"] if part not in every_unchecked]
         partial[process] = {where: tuple(sums) for where, sums in finding["partial"].items()}
-    return every_damaged + checksums.combine(partial), every_unchecked
+    return every_damaged + verification.combine(partial), every_unchecked
 
 
 def _abstract_target(
@@ -357,7 +343,7 @@ def _abstract_target(
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):
             if name not in prng_impls:
                 problems.append(
-                    f"{name}: the target holds PRNG keys, the checkpoint plain {_format(saved.get(name))}"
+                    f"{name}: the target holds PRNG keys, the checkpoint plain {_shown(saved.get(name))}"
                 )
                 continue
             data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
@@ -366,11 +352,11 @@ def _abstract_target(
     for name in sorted(wanted.keys() - saved.keys()):
         problems.append(f"{name}: in the target, not in the checkpoint")
     for name in sorted(saved.keys() - wanted.keys() - unusable):
-        problems.append(f"{name}: in the checkpoint ({_format(saved[name])}), not in the target")
+        problems.append(f"{name}: in the checkpoint ({_shown(saved[name])}), not in the target")
     for name in sorted(wanted.keys() & saved.keys()):
         if wanted[name] != saved[name]:
             problems.append(
-                f"{name}: the checkpoint has {_format(saved[name])}, the target {_format(wanted[name])}"
+                f"{name}: the checkpoint has {_shown(saved[name])}, the target {_shown(wanted[name])}"
             )
     if problems:
         listed = problems[:_MAX_LISTED]
@@ -408,7 +394,8 @@ def _as_restored(
     return jax.tree_util.tree_map_with_path(restored, saved)
 
 
-def _format(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+def _shown(shape_and_dtype: tuple[tuple[int, ...], np.dtype] | None) -> str:
+    """A leaf's shape and dtype as messages show them, `float32[3, 4]`; `nothing` for none."""
     if shape_and_dtype is None:
         return "nothing"
     shape, dtype = shape_and_dtype

@@ -1,14 +1,10 @@
 """How checkpoint leaves are stored by orbax, and read back as jax arrays on a strategy.
 
-- Typed PRNG keys are stored as their raw data; a JSON map from their paths to their
-  implementation wraps them again on restore.
-- Arrays with no elements, which orbax cannot store, are stored as a scalar placeholder of their
-  dtype, with their true shape kept by path.
-- Leaves JAX would narrow while `jax_enable_x64` is off (int64, uint64, float64, complex128) are
-  read exactly onto the host, since orbax casts silently as it reads; integers that do not fit
-  the 32-bit type are an OverflowError, floats come back 32-bit with a warning.
-- Paths are strings independent of container types, since orbax saves tuples and nodes as dicts
-  and lists.
+Typed PRNG keys are stored as their raw data, and arrays with no elements (which orbax cannot
+store) as a scalar placeholder of their dtype; JSON maps by path keep what makes them again.
+Leaves JAX would narrow while `jax_enable_x64` is off are read exactly onto the host, since orbax
+casts silently as it reads. Paths are strings independent of container types, since orbax saves
+tuples and nodes as dicts and lists.
 """
 
 from __future__ import annotations

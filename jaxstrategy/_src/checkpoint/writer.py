@@ -1,23 +1,9 @@
 """The right to save into a checkpoint directory, and a failed save as one clear error.
 
-`DirectoryWriter` is what a `Checkpointer` holds to save: the directory's lock (see
-`lock.py`), taken for each save and held until it is on disk (or the writer is
-garbage collected, or the process exits), and the translation of failed writes.
-
-Orbax writes a step in background threads. When a write fails (a full disk, a read-only
-filesystem), each thread that sees the failure logs it with its traceback through absl (four
-for a one-leaf tree, more for larger ones), and the save call then raises tensorstore's error, a
-ValueError such as `RESOURCE_EXHAUSTED: ... [os_error_code='28']`. Here:
-
-- while a writer holds a directory, orbax's error records that name a path in it are kept out
-  of the log (the failure is raised to the caller instead);
-- `as_os_error` turns the failure, found by the OS error code in it, into an `OSError` of that
-  code naming the directory, the step and the cause;
-- the holder of the lock deletes the temporary directories of unfinished saves (crashed, killed
-  or failed ones) before each save, since they would block a later save of the same step.
-
-The log filter is installed when the first writer is made, not when `jaxstrategy.checkpoint` is
-imported: a program that never saves a checkpoint keeps absl's logger as it was.
+`DirectoryWriter` is what a `Checkpointer` holds to save: the directory's lock (`lock.py`), taken
+for each save, and the translation of a failed write (a full disk, a read-only filesystem) into
+one `OSError` naming the directory and the cause, with orbax's tracebacks kept out of the log.
+docs/internals.md ("Failed writes") says why.
 """
 
 from __future__ import annotations
@@ -41,7 +27,7 @@ from jaxstrategy._src.core.errors import caller_stacklevel
 
 # Tensorstore reports the OS error behind a failed read or write like this.
 _TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
-_ADVICE = {
+_ADVICE_BY_ERRNO = {
     errno.ENOSPC: "Free space there, or save to another directory.",
     errno.EDQUOT: "Free space within your quota there, or save to another directory.",
     errno.EFBIG: "The file size limit (ulimit -f) stopped the write: raise it, or save elsewhere.",
@@ -52,19 +38,20 @@ _ADVICE = {
 }
 _DEFAULT_ADVICE = "Check that the directory is on a writable filesystem with free space."
 
-_quiet: Counter[str] = Counter()
+# The directories whose failures orbax's logger keeps quiet, by how many writers hold each.
+_quiet_directories: Counter[str] = Counter()
 _quiet_lock = threading.Lock()
 
 
 class _OrbaxFailureFilter(logging.Filter):
-    """Drops absl error records that name a path inside a directory in `_quiet`."""
+    """Drops absl error records that name a path inside a directory in `_quiet_directories`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not _quiet:
+        if record.levelno < logging.ERROR or not _quiet_directories:
             return True
         text = _record_text(record)
         with _quiet_lock:
-            prefixes = [directory + os.sep for directory in _quiet]
+            prefixes = [directory + os.sep for directory in _quiet_directories]
         return not any(prefix in text for prefix in prefixes)
 
 
@@ -96,14 +83,14 @@ def _install_log_filter() -> None:
 
 def _quiet_logs(directory: str) -> None:
     with _quiet_lock:
-        _quiet[directory] += 1
+        _quiet_directories[directory] += 1
 
 
 def _unquiet_logs(directory: str) -> None:
     with _quiet_lock:
-        _quiet[directory] -= 1
-        if not _quiet[directory]:
-            del _quiet[directory]
+        _quiet_directories[directory] -= 1
+        if not _quiet_directories[directory]:
+            del _quiet_directories[directory]
 
 
 class DirectoryWriter:
@@ -234,7 +221,7 @@ def as_os_error(error: BaseException, what: str) -> OSError | None:
     if code is None:
         return None
     cause = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
-    advice = _ADVICE.get(code, _DEFAULT_ADVICE)
+    advice = _ADVICE_BY_ERRNO.get(code, _DEFAULT_ADVICE)
     return OSError(code, f"{what}: {cause}. {advice} (The error: {error})")
 
 
