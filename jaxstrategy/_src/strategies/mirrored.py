@@ -10,6 +10,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax  # noqa: F401  (`DeviceLike` names `jax.Device`: the docs resolve the signature here)
+
 from jaxstrategy._src.core.device_spec import resolve_devices
 from jaxstrategy._src.core.errors import caller_stacklevel
 from jaxstrategy._src.core.types import DeviceLike
