@@ -135,7 +135,7 @@ def test_a_malformed_tf_config_is_an_error(monkeypatch):
 def test_a_resolver_of_the_wrong_type_is_an_error():
     with pytest.raises(
         TypeError,
-        match=r"(?s)cluster_resolver=.127.0.0.1:1. is not a cluster resolver.*TFConfigClusterResolver",
+        match=r"MultiWorkerMirroredStrategy\(cluster_resolver=.127.0.0.1:1.\): expected a jaxstrategy",
     ):
         MultiWorkerMirroredStrategy("127.0.0.1:1")
 

@@ -30,7 +30,7 @@ from jaxstrategy._src.cluster.resolver import (
     check_job,
 )
 from jaxstrategy._src.core import jax_compat
-from jaxstrategy._src.core.errors import caller_stacklevel
+from jaxstrategy._src.core.errors import caller_stacklevel, format_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,8 @@ def join_cluster(resolver: ClusterResolver | None, settings: JoinSettings) -> Cl
         return _default_job(settings)
     if not isinstance(resolver, ClusterResolver):
         raise TypeError(
-            f"{settings.caller}: cluster_resolver={resolver!r} is not a cluster resolver; expected "
-            "a jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver (or another "
+            f"{format_call(settings.caller, f'cluster_resolver={resolver!r}')}: expected a "
+            "jaxstrategy.TFConfigClusterResolver or SimpleClusterResolver (or another "
             "ClusterResolver), or None."
         )
     check_job(resolver, caller=settings.caller)

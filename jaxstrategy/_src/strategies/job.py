@@ -22,6 +22,7 @@ from jaxstrategy._src.cluster.program_agreement import ProgramAgreement
 from jaxstrategy._src.cluster.resolver import ClusterResolver
 from jaxstrategy._src.core.arguments import check_int
 from jaxstrategy._src.core.device_spec import canonical_name, spans_processes
+from jaxstrategy._src.core.errors import format_call
 from jaxstrategy._src.core.types import PyTree, StepFn
 from jaxstrategy._src.input.replica_batches import ReplicaLayout
 from jaxstrategy._src.strategies.placement import Placement, ValuesToCompare
@@ -122,13 +123,12 @@ class JobOfProcesses:
     ) -> JobOfProcesses:
         """Check the timeouts and join the job (see `join_cluster`). `caller` is the strategy's
         constructor, such as `MultiWorkerMirroredStrategy()`."""
-        name = caller.removesuffix("()")
         for argument, value in (
             ("initialization_timeout", initialization_timeout),
             ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
             ("input_timeout_seconds", input_timeout_seconds),
         ):
-            label = f"{name}({argument}={value!r})"
+            label = format_call(caller, f"{argument}={value!r}")
             check_int(value, label, not_int=TypeError, expected="an int of seconds")
             check_int(value, label, at_least=1, expected="1 second or more")
         resolver = join_cluster(

@@ -138,12 +138,12 @@ class ShardedStrategy(Strategy):
     @property
     def devices_per_replica(self) -> int:
         """S x M, the devices each replica's variables are split over."""
-        return int(self._rules.devices_per_replica)
+        return self._rules.devices_per_replica
 
     @property
     def model_parallel(self) -> int:
         """M, the size of the `'model'` axis (1: no tensor parallelism)."""
-        return int(self._rules.model)
+        return self._rules.model
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
