@@ -251,17 +251,20 @@ def test_a_code_fingerprint_is_the_same_whatever_each_process_s_string_hashing()
         "    return x if mode in {'train', 'finetune', 'warmup', 'eval'} else -x\n"
         "print(_code_fingerprint(step))\n"
     )
-    prints = {
-        subprocess.run(
+    # The three processes run at once: each spends its time importing JAX.
+    children = [
+        subprocess.Popen(
             [sys.executable, "-c", script],
             env={**os.environ, "PYTHONHASHSEED": seed},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            check=True,
-            timeout=120,
-        ).stdout.strip()
+        )
         for seed in ("1", "2", "3")
-    }
+    ]
+    outputs = [child.communicate(timeout=120) for child in children]
+    assert [child.returncode for child in children] == [0, 0, 0], [err for _, err in outputs]
+    prints = {out.strip() for out, _ in outputs}
     assert len(prints) == 1, prints
 
 

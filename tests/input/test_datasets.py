@@ -344,6 +344,7 @@ def test_a_source_error_reaches_the_consumer_at_its_step():
         next(iterator)
 
 
+@pytest.mark.slow  # 2-3 s: over the fast tier's bound (docs/development.md).
 def test_a_thousand_abandoned_passes_leave_no_thread_and_no_device_arrays():
     before_threads = set(threading.enumerate())
     dataset = OneDeviceStrategy("/cpu:1").experimental_distribute_dataset(_Reiterable(50))

@@ -101,6 +101,7 @@ def _arrays_and_axes(draw):
     return array, axis
 
 
+@pytest.mark.slow  # 11-13 s, each example compiles: over the fast tier's bound (docs/development.md).
 @settings(max_examples=60, deadline=None)
 @given(_arrays_and_axes(), st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]))
 def test_reduce_matches_numpy(array_and_axis, op):
